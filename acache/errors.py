@@ -1,0 +1,56 @@
+"""The error tree.  Translation happens only at the edges (OS/S3 errors in the
+under-stores, FUSE replies in the engines, exit codes in the CLI).
+
+    AcacheError                    errno   retryable
+    ├── ConfigError                EINVAL  no     bad config file / flag / URL
+    ├── FsError                    (given) no     a POSIX error for the mount (ENOENT, EEXIST...)
+    ├── UnderStoreError            EIO     (given) the under-storage failed
+    │   ├── TransientError         EIO     yes    5xx, SlowDown, timeouts, connection refused
+    │   └── PermanentError         EIO     no     AccessDenied, NoSuchBucket, bad credentials, EACCES
+    ├── DaemonError                        no     the CLI cannot reach / talk to the node daemon
+    └── FlushError                         no     `flush --wait` did not reach its barrier
+"""
+from __future__ import annotations
+
+import errno as _errno
+
+
+class AcacheError(Exception):
+    errno: int = _errno.EIO
+    retryable: bool = False
+
+
+class ConfigError(AcacheError):
+    errno = _errno.EINVAL
+
+
+class FsError(AcacheError):
+    """A POSIX error to hand back to the kernel, e.g. ``FsError(errno.ENOENT)``."""
+
+    def __init__(self, err: int, msg: str = ""):
+        super().__init__(msg or _errno.errorcode.get(err, str(err)))
+        self.errno = err
+
+
+class UnderStoreError(AcacheError):
+    def __init__(self, msg: str, retryable: bool = True):
+        super().__init__(msg)
+        self.retryable = retryable
+
+
+class TransientError(UnderStoreError):
+    def __init__(self, msg: str):
+        super().__init__(msg, retryable=True)
+
+
+class PermanentError(UnderStoreError):
+    def __init__(self, msg: str):
+        super().__init__(msg, retryable=False)
+
+
+class DaemonError(AcacheError):
+    pass
+
+
+class FlushError(AcacheError):
+    pass
