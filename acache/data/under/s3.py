@@ -1,0 +1,631 @@
+"""s3:// under-storage on the minio SDK: ``s3://bucket/prefix``.
+
+Store path ``a/b`` is the object ``<prefix>/a/b``; keys never leave the prefix.
+
+Options (keyword arguments; each also read from ``ACACHE_S3_<NAME>``, then from
+the AWS variable shown; explicit keyword > ACACHE_S3_* > AWS_*):
+
+    endpoint       http(s)://host:port   AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL
+                   (default https://s3.amazonaws.com)
+    region                               AWS_REGION, AWS_DEFAULT_REGION
+    access_key, secret_key, session_token
+                   AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN;
+                   taken together from the first layer that sets access_key
+                   (none anywhere: anonymous requests)
+    addressing     path | virtual | auto (default auto: virtual for AWS)
+    part_size      multipart part size, bytes (default 16 MiB, 5 MiB..5 GiB)
+    concurrency    parallel part uploads / copies per store (default 8)
+    verify_tls     default true; SSL_CERT_FILE names a CA bundle
+    connect_timeout, read_timeout   seconds (default 5 and 60)
+
+Directories: ``mkdir`` writes a zero-byte marker object ``<dir>/`` for the
+directory and each parent (so empty directories survive, as on POSIX);
+``rmdir`` deletes the marker, and fails if the directory still has entries.
+Directories implied by deeper keys and markers written by other tools are
+listed as directories.  A name that is both a file and a prefix lists as the
+file.  Deleting a path that is a directory deletes nothing.
+
+Uploads: a file smaller than part_size is read into memory at stage() and sent
+by one PutObject (Content-MD5) at commit().  Larger files: stage() runs
+CreateMultipartUpload and uploads parts in parallel (each with Content-MD5,
+and its returned ETag checked against the MD5 sent); commit() is
+CompleteMultipartUpload.  Progress is reported as bytes reach the server (for
+the single-PUT case: at commit).
+
+Tokens are ``<uuid>\\n<path>``.  ``cleanup(token)`` aborts every multipart
+upload in progress on that path's key: call it only when no other stage of the
+same path is in flight (at recovery, before uploads restart).
+
+Errors go through one table (``translate``): rejected credentials, missing or
+invalid bucket, TLS failures -> PermanentError; 5xx, throttling, timeouts and
+connection failures -> TransientError.  The store does not retry beyond a
+couple of quick HTTP retries; short timeouts make an outage surface quickly.
+"""
+from __future__ import annotations
+
+import base64
+import errno
+import hashlib
+import os
+import ssl
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from typing import Callable, Iterator
+from urllib.parse import urlsplit
+
+import certifi
+import urllib3
+from minio import Minio
+from minio.commonconfig import ComposeSource, CopySource
+from minio.datatypes import Part
+from minio.deleteobjects import DeleteObject
+from minio.error import InvalidResponseError, S3Error, ServerError
+from minio.helpers import MAX_PART_SIZE, check_bucket_name
+
+from acache.data.under.base import UEntry
+from acache.data.under.file import clean_path, name_of
+from acache.errors import (ConfigError, FsError, PermanentError, TransientError,
+                           UnderStoreError)
+
+MiB = 1 << 20
+MIN_PART = 5 * MiB
+MAX_PARTS = 10_000
+
+# -- the error table -------------------------------------------------------------
+_HINTS = {
+    "AccessDenied": "the credentials are rejected or lack permission",
+    "InvalidAccessKeyId": "unknown access key: check ACACHE_S3_ACCESS_KEY / AWS_ACCESS_KEY_ID",
+    "SignatureDoesNotMatch": "wrong secret key: check ACACHE_S3_SECRET_KEY / "
+                             "AWS_SECRET_ACCESS_KEY",
+    "NoSuchBucket": "the bucket does not exist: create it or fix the URL",
+    "InvalidBucketName": "the bucket name is not valid",
+    "AuthorizationHeaderMalformed": "wrong region? set ACACHE_S3_REGION",
+    "PermanentRedirect": "the bucket is in another region: set ACACHE_S3_REGION",
+    "RequestTimeTooSkewed": "this host's clock is wrong",
+}
+PERMANENT_CODES = frozenset(_HINTS) | {
+    "AllAccessDisabled", "AccountProblem", "InvalidToken", "ExpiredToken",
+    "InvalidRequest", "InvalidArgument", "MethodNotAllowed", "NotImplemented",
+    "KeyTooLongError", "EntityTooLarge", "EntityTooSmall", "InvalidPart",
+    "InvalidPartOrder", "InvalidObjectState", "NoSuchUpload", "MissingContentLength",
+}
+TRANSIENT_CODES = frozenset({
+    "InternalError", "SlowDown", "ServiceUnavailable", "RequestTimeout",
+    "OperationAborted", "BadDigest", "IncompleteBody", "XAmzContentSHA256Mismatch",
+    "RequestTimeoutException", "Throttling", "ThrottlingException", "TooManyRequests",
+})
+
+
+def classify(code: str | None, status: int) -> type[UnderStoreError]:
+    """Error class for an S3 error code and HTTP status."""
+    if code in PERMANENT_CODES:
+        return PermanentError
+    if code in TRANSIENT_CODES or status >= 500 or status in (408, 429):
+        return TransientError
+    return PermanentError
+
+
+def translate(exc: BaseException, what: str) -> UnderStoreError | None:
+    """Map a minio/urllib3/socket error to Transient/PermanentError (None: not ours).
+
+    ``what`` names the operation, bucket/key and endpoint for the message.
+    """
+    if isinstance(exc, S3Error):
+        status = getattr(getattr(exc, "response", None), "status", 0) or 0
+        hint = _HINTS.get(exc.code or "")
+        msg = f"{what}: {exc.code} (HTTP {status}): {exc.message}" + (f"; {hint}" if hint else "")
+        return classify(exc.code, status)(msg)
+    if isinstance(exc, ServerError):
+        return classify(None, exc.status_code)(f"{what}: HTTP {exc.status_code}: {exc}")
+    if isinstance(exc, InvalidResponseError):
+        status = getattr(exc, "_code", 0) or 0
+        return classify(None, status)(f"{what}: unexpected non-S3 answer: {exc}")
+    if isinstance(exc, urllib3.exceptions.MaxRetryError) and exc.reason is not None:
+        return translate(exc.reason, what)
+    if isinstance(exc, (urllib3.exceptions.SSLError, ssl.SSLError)):
+        return PermanentError(f"{what}: TLS failed: {exc}; check the endpoint's certificate "
+                              "(SSL_CERT_FILE) or set verify_tls=false")
+    if isinstance(exc, (urllib3.exceptions.HTTPError, OSError)):
+        return TransientError(f"{what}: cannot reach the S3 endpoint: {exc}")
+    if isinstance(exc, ValueError):
+        return PermanentError(f"{what}: {exc}")
+    return None
+
+
+def _code(exc: BaseException) -> str | None:
+    return exc.code if isinstance(exc, S3Error) else None
+
+
+def _md5(data: bytes) -> tuple[str, str]:
+    d = hashlib.md5(data, usedforsecurity=False).digest()
+    return d.hex(), base64.b64encode(d).decode()
+
+
+# -- options ---------------------------------------------------------------------
+_AWS_ENV = {
+    "endpoint": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+    "region": ("AWS_REGION", "AWS_DEFAULT_REGION"),
+    "access_key": ("AWS_ACCESS_KEY_ID",),
+    "secret_key": ("AWS_SECRET_ACCESS_KEY",),
+    "session_token": ("AWS_SESSION_TOKEN",),
+}
+_DEFAULTS = {
+    "endpoint": "https://s3.amazonaws.com", "region": None, "addressing": "auto",
+    "part_size": 16 * MiB, "concurrency": 8, "verify_tls": True,
+    "connect_timeout": 5.0, "read_timeout": 60.0,
+}
+_CREDS = ("access_key", "secret_key", "session_token")
+
+
+def resolve_options(kwargs: dict, env=None) -> dict:
+    """Merge options: explicit kwargs > ACACHE_S3_* > AWS_* > defaults."""
+    env = os.environ if env is None else env
+    unknown = set(kwargs) - set(_DEFAULTS) - set(_CREDS)
+    if unknown:
+        raise ConfigError(f"unknown s3:// options: {', '.join(sorted(unknown))}")
+    layers = [
+        {k: v for k, v in kwargs.items() if v is not None},
+        {k: env[f"ACACHE_S3_{k.upper()}"] for k in [*_DEFAULTS, *_CREDS]
+         if env.get(f"ACACHE_S3_{k.upper()}")},
+        {k: next(env[n] for n in names if env.get(n))
+         for k, names in _AWS_ENV.items() if any(env.get(n) for n in names)},
+    ]
+    out = dict(_DEFAULTS)
+    for k in _DEFAULTS:
+        out[k] = next((layer[k] for layer in layers if k in layer), out[k])
+    creds = next((layer for layer in layers if "access_key" in layer), {})
+    for k in _CREDS:
+        out[k] = creds.get(k)
+    try:
+        out["part_size"] = int(out["part_size"])
+        out["concurrency"] = int(out["concurrency"])
+        out["connect_timeout"] = float(out["connect_timeout"])
+        out["read_timeout"] = float(out["read_timeout"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"bad s3:// option value: {e}") from e
+    if isinstance(out["verify_tls"], str):
+        out["verify_tls"] = out["verify_tls"].strip().lower() not in ("0", "false", "no", "off")
+    if not MIN_PART <= out["part_size"] <= MAX_PART_SIZE:
+        raise ConfigError(f"s3:// part_size must be 5 MiB..5 GiB, got {out['part_size']}")
+    if out["concurrency"] < 1:
+        raise ConfigError("s3:// concurrency must be >= 1")
+    if out["addressing"] not in ("path", "virtual", "auto"):
+        raise ConfigError(f"s3:// addressing must be path, virtual or auto, "
+                          f"got {out['addressing']!r}")
+    if out["access_key"] and not out["secret_key"]:
+        raise ConfigError("s3:// access_key is set but secret_key is not")
+    return out
+
+
+class _Wire:
+    """The minio calls without a public form (minio 7.2 private API), in one place."""
+
+    def __init__(self, client: Minio, bucket: str):
+        self.c, self.b = client, bucket
+
+    def put(self, key: str, data: bytes, md5_b64: str) -> str:
+        res = self.c._put_object(self.b, key, data, {
+            "Content-MD5": md5_b64, "Content-Type": "application/octet-stream"})
+        return res.etag or ""
+
+    def create_upload(self, key: str) -> str:
+        return self.c._create_multipart_upload(
+            self.b, key, {"Content-Type": "application/octet-stream"})
+
+    def upload_part(self, key: str, upload_id: str, number: int, data: bytes,
+                    md5_b64: str) -> str:
+        etag = self.c._upload_part(self.b, key, data, {"Content-MD5": md5_b64},
+                                   upload_id, number)
+        return (etag or "").strip('"')
+
+    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> None:
+        res = self.c._complete_multipart_upload(
+            self.b, key, upload_id, [Part(n, e) for n, e in parts])
+        if not res.etag:  # S3 may answer 200 with an <Error> body
+            raise TransientError(f"CompleteMultipartUpload of {key!r} returned no ETag")
+
+    def abort(self, key: str, upload_id: str) -> None:
+        try:
+            self.c._abort_multipart_upload(self.b, key, upload_id)
+        except S3Error as e:
+            if e.code != "NoSuchUpload":
+                raise
+
+    def uploads(self, key: str) -> tuple[list[tuple[str, str]], bool]:
+        """(key, upload id) of in-progress uploads whose key starts with ``key``."""
+        res = self.c._list_multipart_uploads(self.b, prefix=key, max_uploads=1000)
+        return [(u.object_name, u.upload_id) for u in res.uploads], res.is_truncated
+
+    def first_under(self, prefix: str, n: int = 1) -> list:
+        """At most ``n`` entries (one level) under ``prefix``: a cheap 'is there any'."""
+        it = self.c._list_objects(self.b, prefix=prefix, delimiter="/", max_keys=n,
+                                  encoding_type="url")
+        return [o for _, o in zip(range(n), it)]
+
+
+class S3Store:
+    def __init__(self, url: str, **options):
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+            raise ConfigError(f"bad s3:// URL {url!r}: expected s3://bucket/prefix")
+        self.url = url
+        self.bucket = parts.netloc
+        try:
+            check_bucket_name(self.bucket)
+        except ValueError as e:
+            raise ConfigError(f"bad s3:// URL {url!r}: {e}") from e
+        prefix = parts.path.strip("/")
+        clean_path(prefix, "prefix")
+        self.prefix = prefix + "/" if prefix else ""
+        o = resolve_options(options)
+        self.part_size, self.concurrency = o["part_size"], o["concurrency"]
+        ep = urlsplit(o["endpoint"] if "://" in o["endpoint"] else "https://" + o["endpoint"])
+        if ep.scheme not in ("http", "https") or not ep.netloc or ep.path not in ("", "/"):
+            raise ConfigError(f"bad s3:// endpoint {o['endpoint']!r}: expected http(s)://host:port")
+        self.endpoint = f"{ep.scheme}://{ep.netloc}"
+        self._http = http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=o["connect_timeout"], read=o["read_timeout"]),
+            maxsize=self.concurrency + 4,
+            cert_reqs="CERT_REQUIRED" if o["verify_tls"] else "CERT_NONE",
+            ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+            retries=urllib3.Retry(total=2, backoff_factor=0.2, raise_on_status=False,
+                                  status_forcelist=[500, 502, 503, 504]))
+        try:
+            self.client = Minio(ep.netloc, access_key=o["access_key"], secret_key=o["secret_key"],
+                                session_token=o["session_token"], secure=ep.scheme == "https",
+                                region=o["region"], http_client=http)
+        except ValueError as e:
+            raise ConfigError(f"bad s3:// options for {url!r}: {e}") from e
+        if o["addressing"] == "path":
+            self.client.disable_virtual_style_endpoint()
+        elif o["addressing"] == "virtual":
+            self.client.enable_virtual_style_endpoint()
+        self.wire = _Wire(self.client, self.bucket)
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- helpers -------------------------------------------------------------
+    def _key(self, path: str) -> str:
+        return self.prefix + clean_path(path)
+
+    def _dirkey(self, path: str) -> str:
+        return self._key(path) + "/" if path else self.prefix
+
+    @contextmanager
+    def _errors(self, op: str, key: str = ""):
+        try:
+            yield
+        except (UnderStoreError, FsError):
+            raise
+        except Exception as e:
+            err = translate(e, f"s3 {op} s3://{self.bucket}/{key} at {self.endpoint}")
+            if err is None:
+                raise
+            raise err from e
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="acache-s3")
+        return self._pool
+
+    def _run_all(self, fn, items, on_done=None) -> list:
+        """Run fn(item) for every item on the pool; the first error cancels the rest."""
+        futs = [self._executor().submit(fn, it) for it in items]
+        results, pending = [], set(futs)
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for f in done:
+                    results.append(f.result())
+                    if on_done is not None:
+                        on_done(results[-1])
+        finally:
+            if pending:
+                for f in pending:
+                    f.cancel()
+                wait(pending)
+        return results
+
+    def _head(self, key: str):
+        try:
+            return self.client.stat_object(self.bucket, key)
+        except S3Error as e:
+            if e.code in ("NoSuchKey", "NotFound", "NoSuchObject"):
+                return None
+            raise
+
+    def _exists(self, path: str) -> bool:
+        return self._head(self._key(path)) is not None or \
+            bool(self.wire.first_under(self._dirkey(path)))
+
+    # -- UnderStore ----------------------------------------------------------
+    def check(self) -> None:
+        with self._errors("check", self.prefix):
+            # A GET (not HEAD, whose errors have no body) so that the server says why:
+            # NoSuchBucket, InvalidAccessKeyId, SignatureDoesNotMatch...
+            self.wire.first_under(self.prefix)
+            # A write probe that leaves no object: start and abort a multipart upload.
+            probe = self.prefix + ".acache-check"
+            self.wire.abort(probe, self.wire.create_upload(probe))
+
+    def list_dir(self, path: str) -> Iterator[UEntry]:
+        return self._list(self._dirkey(path))
+
+    def _list(self, prefix: str) -> Iterator[UEntry]:
+        with self._errors("list", prefix):
+            files: set[str] = set()
+            for o in self.client.list_objects(self.bucket, prefix=prefix or None):
+                name = o.object_name[len(prefix):]
+                if o.is_dir:
+                    name = name[:-1]
+                if not name or "/" in name:
+                    continue  # the directory's own marker, or a key with '//' in it
+                if o.is_dir:
+                    if name not in files:
+                        yield UEntry(name, True, 0, 0.0)
+                else:
+                    files.add(name)
+                    mtime = o.last_modified.timestamp() if o.last_modified else 0.0
+                    yield UEntry(name, False, o.size or 0, mtime)
+
+    def stat(self, path: str) -> UEntry | None:
+        if not path:
+            return UEntry("", True)
+        key = self._key(path)
+        with self._errors("stat", key):
+            o = self._head(key)
+            if o is not None:
+                mtime = o.last_modified.timestamp() if o.last_modified else 0.0
+                return UEntry(name_of(path), False, o.size or 0, mtime)
+            if self.wire.first_under(key + "/"):
+                return UEntry(name_of(path), True)
+        return None
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        key = self._key(path)
+        if length <= 0:
+            return b""
+        with self._errors("read", key):
+            try:
+                resp = self.client.get_object(self.bucket, key, offset=offset, length=length)
+            except S3Error as e:
+                if e.code in ("NoSuchKey", "NotFound"):
+                    raise FsError(errno.ENOENT, f"s3://{self.bucket}/{key}: no such object")
+                if e.code == "InvalidRange":
+                    return b""
+                raise
+            try:
+                return resp.read()[:length]
+            finally:
+                resp.close()
+                resp.release_conn()
+
+    def new_token(self, path: str) -> str:
+        clean_path(path)
+        return f"{uuid.uuid4().hex}\n{path}"
+
+    def _token_path(self, token: str) -> str:
+        tid, sep, path = token.partition("\n")
+        if not sep or not tid:
+            raise PermanentError(f"not an s3:// stage token: {token!r}")
+        return clean_path(path, "token path")
+
+    def stage(self, path: str, token: str, src_path: str, size: int,
+              progress: Callable[[int], None] | None = None) -> "S3Staged":
+        key = self._key(path)
+        if not path:
+            raise PermanentError("cannot stage onto the root directory")
+        self._token_path(token)
+        with self._errors("stage", key):
+            if size < self.part_size:
+                with open(src_path, "rb") as f:
+                    data = f.read(size)
+                if len(data) != size:
+                    raise PermanentError(f"source file ended at {len(data)} bytes, "
+                                         f"expected {size}")
+                return S3Staged(self, token, key, size, data=data, progress=progress)
+            return self._stage_multipart(token, key, src_path, size, progress)
+
+    def _part_size_for(self, size: int) -> int:
+        ps = self.part_size
+        if -(-size // ps) > MAX_PARTS:
+            ps = -(-size // MAX_PARTS)
+            ps = -(-ps // MiB) * MiB
+        return ps
+
+    def _stage_multipart(self, token, key, src_path, size, progress) -> "S3Staged":
+        ps = self._part_size_for(size)
+        ranges = [(i + 1, off, min(ps, size - off)) for i, off in enumerate(range(0, size, ps))]
+        upload_id = self.wire.create_upload(key)
+        ok = False
+        fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            def one(r):
+                return self._upload_part(key, upload_id, fd, *r)
+            parts = self._run_all(one, ranges,
+                                  (lambda p: progress(p[2])) if progress else None)
+            ok = True
+        finally:
+            os.close(fd)
+            if not ok:
+                try:
+                    self.wire.abort(key, upload_id)
+                except Exception:
+                    pass  # cleanup(token) finds it later
+        parts.sort()
+        return S3Staged(self, token, key, size, upload_id=upload_id,
+                        parts=[(n, etag) for n, etag, _ in parts])
+
+    def _upload_part(self, key, upload_id, fd, number, off, length) -> tuple[int, str, int]:
+        with self._errors(f"upload part {number} of", key):
+            chunks, got = [], 0
+            while got < length:
+                buf = os.pread(fd, length - got, off + got)
+                if not buf:
+                    raise PermanentError(f"source file ended at {off + got} bytes, "
+                                         f"expected more for part {number}")
+                chunks.append(buf)
+                got += len(buf)
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            md5_hex, md5_b64 = _md5(data)
+            etag = self.wire.upload_part(key, upload_id, number, data, md5_b64)
+            if etag.lower() != md5_hex:
+                raise PermanentError(
+                    f"part {number} of s3://{self.bucket}/{key}: the server's ETag {etag} is "
+                    f"not the MD5 {md5_hex} of the bytes sent (server-side encryption "
+                    "with KMS is not supported)")
+            return number, etag, length
+
+    def cleanup(self, token: str) -> None:
+        key = self._key(self._token_path(token))
+        with self._errors("cleanup", key):
+            while True:
+                uploads, truncated = self.wire.uploads(key)
+                mine = [u for k, u in uploads if k == key]
+                for upload_id in mine:
+                    self.wire.abort(key, upload_id)
+                # this key's uploads sort first; a full page of them means: list again
+                if not (truncated and len(mine) == len(uploads)):
+                    return
+
+    def rename(self, src: str, dst: str) -> None:
+        sk, dk = self._key(src), self._key(dst)
+        if not src or not dst:
+            raise PermanentError(f"cannot rename the root directory ({src!r} -> {dst!r})")
+        if src == dst:
+            return
+        if dst.startswith(src + "/"):
+            raise PermanentError(f"cannot move {src!r} into itself ({dst!r})")
+        with self._errors("rename", f"{sk} -> {dk}"):
+            o = self._head(sk)
+            if o is not None:
+                self._copy(sk, dk, o.size or 0)
+                self.client.remove_object(self.bucket, sk)
+                return
+            if self._move_prefix(sk + "/", dk + "/"):
+                return
+            if self._exists(dst):
+                return  # done before (a retry after a crash)
+            raise PermanentError(f"s3 rename s3://{self.bucket}/{sk} -> {dk}: neither exists")
+
+    def _copy(self, sk: str, dk: str, size: int) -> None:
+        if size > MAX_PART_SIZE:  # multipart copy (UploadPartCopy ranges)
+            self.client.compose_object(self.bucket, dk, [ComposeSource(self.bucket, sk)])
+        else:
+            self.client.copy_object(self.bucket, dk, CopySource(self.bucket, sk))
+
+    def _move_prefix(self, sp: str, dp: str) -> bool:
+        """Copy every object under sp to dp, then delete them; False if there were none.
+
+        Interrupted midway, a second call finishes the job: what was moved is
+        no longer under sp.
+        """
+        objs = [(o.object_name, o.size or 0) for o in
+                self.client.list_objects(self.bucket, prefix=sp, recursive=True)]
+        if not objs:
+            return False
+
+        def copy(obj):
+            with self._errors("rename copy", obj[0]):
+                self._copy(obj[0], dp + obj[0][len(sp):], obj[1])
+        self._run_all(copy, objs)
+        self._delete_many([k for k, _ in objs])
+        return True
+
+    def _delete_many(self, keys: list[str]) -> None:
+        errors = list(self.client.remove_objects(self.bucket, [DeleteObject(k) for k in keys]))
+        errors = [e for e in errors if e.code not in ("NoSuchKey",)]
+        if errors:
+            e = errors[0]
+            raise classify(e.code, 0)(
+                f"s3 delete s3://{self.bucket}/{e.name} at {self.endpoint}: {e.code}: "
+                f"{e.message} ({len(errors)} of {len(keys)} deletes failed)")
+
+    def delete(self, path: str) -> None:
+        key = self._key(path)
+        if not path:
+            raise PermanentError("cannot delete the root directory")
+        with self._errors("delete", key):
+            try:
+                self.client.remove_object(self.bucket, key)
+            except S3Error as e:
+                if e.code != "NoSuchKey":
+                    raise
+
+    def mkdir(self, path: str) -> None:
+        clean_path(path)
+        parts = path.split("/") if path else []
+        empty_b64 = _md5(b"")[1]
+        for i in range(1, len(parts) + 1):
+            key = self._key("/".join(parts[:i])) + "/"
+            with self._errors("mkdir", key):
+                self.wire.put(key, b"", empty_b64)
+
+    def rmdir(self, path: str) -> None:
+        dk = self._dirkey(path)
+        if not path:
+            raise PermanentError("cannot remove the root directory")
+        with self._errors("rmdir", dk):
+            if any(o.object_name != dk for o in self.wire.first_under(dk, 2)):
+                raise PermanentError(f"s3 rmdir s3://{self.bucket}/{dk}: directory not empty")
+            self.client.remove_object(self.bucket, dk)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._http.clear()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
+
+
+class S3Staged:
+    """Staged bytes: in memory (single PUT) or a multipart upload with all parts sent."""
+
+    def __init__(self, store: S3Store, token: str, key: str, size: int, *,
+                 data: bytes | None = None, progress=None, upload_id: str | None = None,
+                 parts: list[tuple[int, str]] | None = None):
+        self.token = token
+        self.key = key
+        self.size = size
+        self.upload_id = upload_id
+        self._store = store
+        self._data = data
+        self._progress = progress
+        self._parts = parts or []
+        self._done = False
+
+    def _multipart_etag(self) -> str:
+        digest = hashlib.md5(b"".join(bytes.fromhex(e) for _, e in self._parts),
+                             usedforsecurity=False)
+        return f"{digest.hexdigest()}-{len(self._parts)}"
+
+    def commit(self) -> None:
+        if self._done:
+            return
+        s = self._store
+        with s._errors("commit", self.key):
+            if self.upload_id is None:
+                if self._data is None:
+                    raise PermanentError(f"commit of s3://{s.bucket}/{self.key} after abort")
+                s.wire.put(self.key, self._data, _md5(self._data)[1])
+                if self._progress is not None:
+                    self._progress(self.size)
+            else:
+                try:
+                    s.wire.complete(self.key, self.upload_id, self._parts)
+                except S3Error as e:
+                    # NoSuchUpload after a lost reply: done if the object is ours
+                    o = s._head(self.key) if e.code == "NoSuchUpload" else None
+                    if o is None or (o.etag or "").strip('"') != self._multipart_etag():
+                        raise
+        self._done = True
+        self._data = None
+
+    def abort(self) -> None:
+        s = self._store
+        self._data = None
+        if self.upload_id is not None and not self._done:
+            with s._errors("abort", self.key):
+                s.wire.abort(self.key, self.upload_id)

@@ -1,0 +1,271 @@
+"""A real S3-protocol server on 127.0.0.1 for tests: moto's server mode.
+
+    with S3Server() as srv:            # starts moto, creates srv.bucket
+        store = S3Store(srv.url("prefix"), **srv.options())
+        srv.stop()                     # "S3 is down": connections refused
+        srv.start()                    # back, same port, same data
+
+moto runs as a subprocess on a private port; tests talk to it through a small
+TCP relay on ``srv.port``.  ``stop()`` closes the relay (new connections are
+refused, open ones are reset) while moto keeps its state, so ``start()``
+brings the same objects back on the same port.  ``kill()`` ends moto itself.
+
+``auth=True`` makes moto check credentials (IAM): an IAM user with full S3
+access is created and its key is in ``srv.access_key``/``srv.secret_key``;
+any other key is rejected (InvalidAccessKeyId / SignatureDoesNotMatch).
+Without it moto accepts any credentials.  ``tls=True`` serves https with a
+self-signed certificate (use verify_tls=False).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import urllib3
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Relay:
+    """Forward TCP connections from 127.0.0.1:port to 127.0.0.1:target."""
+
+    def __init__(self, port: int, target: int):
+        self.port, self.target = port, target
+        self._lsock: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        ls = socket.socket()
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                ls.bind(("127.0.0.1", self.port))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        ls.listen(128)
+        self._lsock = ls
+        threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
+
+    def stop(self) -> None:
+        ls, self._lsock = self._lsock, None
+        if ls is not None:
+            try:
+                ls.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            ls.close()
+        with self._lock:
+            conns, self._conns = self._conns, set()
+        for c in conns:
+            try:
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+                c.close()  # RST: the client sees "connection reset"
+            except OSError:
+                pass
+
+    def _accept(self, ls: socket.socket) -> None:
+        while True:
+            try:
+                c, _ = ls.accept()
+            except OSError:
+                return
+            try:
+                b = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                c.close()
+                continue
+            with self._lock:
+                if self._lsock is not ls:
+                    c.close()
+                    b.close()
+                    return
+                self._conns.update((c, b))
+            for x, y in ((c, b), (b, c)):
+                threading.Thread(target=self._pump, args=(x, y), daemon=True).start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        try:
+            while True:
+                data = a.recv(1 << 16)
+                if not data:
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            with self._lock:
+                self._conns.discard(a)
+                self._conns.discard(b)
+            a.close()
+
+
+class S3Server:
+    def __init__(self, bucket: str = "acache-test", *, auth: bool = False, tls: bool = False,
+                 region: str = "us-east-1"):
+        self.bucket, self.auth, self.tls, self.region = bucket, auth, tls, region
+        self.port = free_port()
+        self.backend_port: int | None = None
+        self.access_key, self.secret_key = "testing", "testing"
+        self._proc: subprocess.Popen | None = None
+        self._relay: _Relay | None = None
+        self._log = None
+
+    # -- lifecycle -------------------------------------------------------------
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._relay is not None
+
+    def start(self) -> "S3Server":
+        if self._proc is None:
+            self._spawn()
+        if self._relay is None:
+            self._relay = _Relay(self.port, self.backend_port)
+            self._relay.start()
+        return self
+
+    def stop(self) -> None:
+        """Take the server off the network (refuse connections); moto keeps its data."""
+        if self._relay is not None:
+            self._relay.stop()
+            self._relay = None
+
+    def kill(self) -> None:
+        self.stop()
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    close = kill
+
+    def __enter__(self) -> "S3Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def _spawn(self) -> None:
+        self.backend_port = free_port()
+        self._log = tempfile.NamedTemporaryFile(prefix="moto-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+               "-p", str(self.backend_port)] + (["--ssl"] if self.tls else [])
+        env = dict(os.environ, MOTO_PORT=str(self.backend_port))
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+        base = f"{self.scheme}://127.0.0.1:{self.backend_port}"
+        http = urllib3.PoolManager(cert_reqs="CERT_NONE", retries=False)
+        deadline = time.monotonic() + 60
+        with _quiet_tls():
+            while True:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"moto server exited; see {self._log.name}")
+                try:
+                    if http.request("GET", base + "/moto-api/", timeout=2).status == 200:
+                        break
+                except urllib3.exceptions.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"moto server did not start; see {self._log.name}")
+                time.sleep(0.1)
+            self._setup(base, http)
+
+    def _setup(self, base: str, http: urllib3.PoolManager) -> None:
+        import boto3  # moto's dependency
+        kw = dict(endpoint_url=base, region_name=self.region, verify=False,
+                  aws_access_key_id="testing", aws_secret_access_key="testing")
+        boto3.client("s3", **kw).create_bucket(Bucket=self.bucket)
+        if not self.auth:
+            return
+        iam = boto3.client("iam", **kw)
+        iam.create_user(UserName="acache")
+        iam.put_user_policy(UserName="acache", PolicyName="s3", PolicyDocument=(
+            '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", '
+            '"Action": "s3:*", "Resource": "*"}]}'))
+        key = iam.create_access_key(UserName="acache")["AccessKey"]
+        self.access_key, self.secret_key = key["AccessKeyId"], key["SecretAccessKey"]
+        r = http.request("POST", base + "/moto-api/reset-auth", body=b"0")
+        if r.status != 200:
+            raise RuntimeError(f"moto refused to enable auth: {r.status} {r.data!r}")
+
+    # -- what tests use ----------------------------------------------------------
+    def url(self, prefix: str = "") -> str:
+        return f"s3://{self.bucket}/{prefix}" if prefix else f"s3://{self.bucket}"
+
+    def options(self, **over) -> dict:
+        """Keyword arguments for S3Store."""
+        o = dict(endpoint=self.endpoint, region=self.region, access_key=self.access_key,
+                 secret_key=self.secret_key, addressing="path")
+        if self.tls:
+            o["verify_tls"] = False
+        o.update(over)
+        return o
+
+    def env(self) -> dict[str, str]:
+        """The same, as ACACHE_S3_* environment variables."""
+        return {f"ACACHE_S3_{k.upper()}": str(v) for k, v in self.options().items()}
+
+    def client(self):
+        """A minio client for setting up and inspecting the bucket directly."""
+        from minio import Minio
+        return Minio(f"127.0.0.1:{self.port}", access_key=self.access_key,
+                     secret_key=self.secret_key, secure=self.tls, region=self.region,
+                     cert_check=not self.tls)
+
+    def make_bucket(self, name: str) -> None:
+        self.client().make_bucket(name)
+
+    def open_uploads(self, bucket: str | None = None, prefix: str = "") -> list[tuple[str, str]]:
+        """(key, upload id) of the multipart uploads in progress."""
+        c = self.client()
+        res = c._list_multipart_uploads(bucket or self.bucket, prefix=prefix)
+        return [(u.object_name, u.upload_id) for u in res.uploads]
+
+
+class _quiet_tls:
+    """Silence urllib3's InsecureRequestWarning for the self-signed moto certificate."""
+
+    def __enter__(self):
+        import warnings
+        self._w = warnings.catch_warnings()
+        self._w.__enter__()
+        warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+
+    def __exit__(self, *exc):
+        self._w.__exit__(*exc)
