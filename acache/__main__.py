@@ -1,0 +1,3 @@
+from acache.cli import main
+
+main()

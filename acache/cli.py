@@ -1,0 +1,250 @@
+"""The `acache` command: up, mount, umount, down, flush, status.
+
+Every failure is one clear line on stderr and a non-zero exit, never a traceback.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                           TransferSpeedColumn)
+from rich.table import Table
+
+from acache import config
+from acache.errors import AcacheError, DaemonError
+from acache.node.client import Client, is_running
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="acache: a write-back cache for training checkpoints.")
+out = Console()
+err = Console(stderr=True)
+
+HomeOpt = typer.Option(None, "--home", help="State directory (socket, log); env ACACHE_HOME.")
+ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config file.")
+
+
+def _settings(home=None, config_file=None, **flags) -> config.Settings:
+    return config.load(config_file, home=home, **flags)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+# -- up / down ----------------------------------------------------------------------------
+def _run_foreground(s: config.Settings) -> None:
+    from acache.node.daemon import Node
+    from acache.node.server import ControlServer
+    logging.basicConfig(level=s.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if is_running(s.socket_path):
+        raise AcacheError(f"an acache node is already running (socket {s.socket_path})")
+    node = Node(s)
+    server = ControlServer(node, str(s.socket_path))
+
+    def on_signal(signum, frame):
+        logging.getLogger("acache").info("signal %d: stopping (dirty data stays in the cache "
+                                         "and is persisted at the next start)", signum)
+        threading.Thread(target=lambda: (node.shutdown(flush=False), server.stop()),
+                         daemon=True).start()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"acache node ready (pid {os.getpid()}, socket {s.socket_path})", file=sys.stderr, flush=True)
+    server.serve()
+
+
+def _start_background(s: config.Settings, argv: list[str]) -> None:
+    if is_running(s.socket_path):
+        return
+    s.home.mkdir(parents=True, exist_ok=True)
+    log = open(s.log_path, "ab")
+    start = log.tell()
+    env = dict(os.environ, ACACHE_HOME=str(s.home))
+    proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "up", "--foreground", *argv],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                            start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(s.log_path, "rb") as f:
+                f.seek(start)
+                lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+            raise AcacheError(lines[-1].removeprefix("acache: error: ") if lines
+                              else f"the node exited with status {proc.returncode}")
+        if is_running(s.socket_path):
+            return
+        time.sleep(0.1)
+    raise AcacheError(f"the node did not become ready within 60 s; see {s.log_path}")
+
+
+def _up_argv(cache_dir, ufs, config_file, cache_size, engine) -> list[str]:
+    argv = []
+    for flag, value in (("--cache-dir", cache_dir), ("--ufs", ufs), ("--config", config_file),
+                        ("--cache-size", cache_size), ("--engine", engine)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+@app.command()
+def up(cache_dir: Optional[Path] = typer.Option(None, help="Cache directory (local NVMe)."),
+       ufs: Optional[str] = typer.Option(None, help="Under-storage URL: file:///dir or s3://bucket/prefix."),
+       config_file: Optional[Path] = ConfigOpt,
+       cache_size: Optional[str] = typer.Option(None, help="Cache limit, e.g. 50GiB (default: half the disk)."),
+       engine: Optional[str] = typer.Option(None, help="Mount engine: auto, native, pyfuse3."),
+       foreground: bool = typer.Option(False, "--foreground", help="Stay attached, log to the terminal."),
+       home: Optional[Path] = HomeOpt) -> None:
+    """Start the node daemon (in the background unless --foreground)."""
+    s = _settings(home, config_file, cache_dir=cache_dir, ufs=ufs, cache_size=cache_size, engine=engine)
+    if foreground:
+        _run_foreground(s)
+        return
+    if is_running(s.socket_path):
+        out.print(f"acache node already running ({s.socket_path})")
+        return
+    _start_background(s, _up_argv(cache_dir, ufs, config_file, cache_size, engine))
+    out.print(f"acache node up: cache {s.cache_path}, under-storage {s.ufs_url}, log {s.log_path}")
+
+
+@app.command()
+def down(no_flush: bool = typer.Option(False, "--no-flush", help="Stop without persisting dirty data."),
+         timeout: Optional[float] = typer.Option(None, help="Give up flushing after this many seconds."),
+         home: Optional[Path] = HomeOpt) -> None:
+    """Stop the node, by default after persisting everything dirty."""
+    s = _settings(home)
+    with Client(s.socket_path, timeout=None) as c:
+        res = c.call("down", flush=not no_flush, timeout=timeout)
+    if no_flush and res.get("left_dirty"):
+        err.print(f"[yellow]warning:[/] {res['left_dirty']} journal entries stay dirty in "
+                  f"{s.cache_path}; they are persisted at the next `acache up`")
+    out.print("acache node stopped")
+
+
+# -- mount ----------------------------------------------------------------------------------
+@app.command()
+def mount(path: Path = typer.Argument(..., help="Where to mount (an empty directory)."),
+          engine: Optional[str] = typer.Option(None, help="auto, native or pyfuse3."),
+          cache_dir: Optional[Path] = typer.Option(None, help="For a node started here."),
+          ufs: Optional[str] = typer.Option(None, help="For a node started here."),
+          config_file: Optional[Path] = ConfigOpt,
+          home: Optional[Path] = HomeOpt) -> None:
+    """Attach the FUSE mount to the running node (starting one if none runs)."""
+    s = _settings(home, config_file, cache_dir=cache_dir, ufs=ufs, engine=engine)
+    _start_background(s, _up_argv(cache_dir, ufs, config_file, None, engine))
+    with Client(s.socket_path, timeout=120) as c:
+        res = c.call("mount", path=str(path.absolute()), engine=engine or "")
+    pt = ", kernel passthrough" if res.get("passthrough") else ""
+    out.print(f"mounted {res['mountpoint']} ({res['engine']} engine{pt})")
+
+
+@app.command()
+def umount(path: Path = typer.Argument(...), home: Optional[Path] = HomeOpt) -> None:
+    """Detach the mount (the node keeps persisting)."""
+    s = _settings(home)
+    with Client(s.socket_path) as c:
+        c.call("umount", path=str(path.absolute()))
+    out.print(f"unmounted {path}")
+
+
+# -- flush ----------------------------------------------------------------------------------
+@app.command()
+def flush(path: Optional[Path] = typer.Argument(None, help="Only what is under this path."),
+          wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for the barrier."),
+          timeout: Optional[float] = typer.Option(None, help="Fail after this many seconds."),
+          home: Optional[Path] = HomeOpt) -> None:
+    """Persist now; with --wait, return 0 only when everything written before is persisted."""
+    s = _settings(home)
+    p = str(path.absolute()) if path else None
+    with Client(s.socket_path, timeout=30) as c:
+        if not wait:
+            c.call("status")   # the node persists on its own; --no-wait only checks it is up
+            out.print("the node is persisting in the background")
+            return
+        quiet = not err.is_terminal
+        with Progress(TextColumn("[bold]persisting"), BarColumn(), DownloadColumn(),
+                      TextColumn("{task.fields[files]} files"), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=err, disable=quiet, transient=True) as prog:
+            task = prog.add_task("flush", total=None, files=0)
+
+            def on_progress(info: dict) -> None:
+                total = max(info["total_bytes"], 1)
+                prog.update(task, total=total, completed=total - info["bytes_left"],
+                            files=info["files_left"] + info["open_files"])
+            res = c.flush(p, timeout, on_progress)
+    out.print(f"flushed in {res['seconds']:.2f}s: everything written before is in the under-storage")
+
+
+# -- status ---------------------------------------------------------------------------------
+@app.command()
+def status(path: Optional[Path] = typer.Argument(None, help="Show each file's state under PATH."),
+           as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+           home: Optional[Path] = HomeOpt) -> None:
+    """The node (cache, dirty data, persist queue, errors), or each file's state under PATH."""
+    s = _settings(home)
+    with Client(s.socket_path) as c:
+        st = c.call("status", path=str(path.absolute()) if path else None)
+    if as_json:
+        out.print_json(json.dumps(st))
+        return
+    t = Table(title="acache node", show_header=False)
+    t.add_row("mount", f"{st['mountpoint'] or '-'} ({st['engine'] or 'no engine'}"
+              f"{', passthrough' if st['passthrough'] else ''})")
+    t.add_row("under-storage", st["ufs"])
+    t.add_row("cache", f"{_human(st['cache_used'])} of {_human(st['cache_limit'])} in {st['cache_dir']}")
+    t.add_row("dirty", f"{_human(st['dirty_bytes'])} in {st['dirty_files']} files")
+    t.add_row("persist queue", f"{st['queue']} entries, {_human(st['queue_bytes'])}, {st['in_flight']} in flight")
+    t.add_row("rate", f"{_human(st['rate'])}/s; persisted {st['persisted_files']} files, "
+              f"{_human(st['persisted_bytes'])} since start")
+    t.add_row("last error", f"[red]{st['last_error']}[/]" if st["last_error"] else "-")
+    out.print(t)
+    if path is not None:
+        ft = Table(title=f"files under {path}")
+        ft.add_column("path")
+        ft.add_column("state")
+        ft.add_column("size", justify="right")
+        colors = {"dirty": "yellow", "persisting": "cyan", "persisted": "green", "failed": "red"}
+        for f in st.get("files", []):
+            ft.add_row(f["path"], f"[{colors[f['state']]}]{f['state']}[/]", _human(f["size"]))
+        out.print(ft)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except (AcacheError, OSError) as e:
+        msg = str(e) if isinstance(e, AcacheError) else f"{e.strerror or e}: {e.filename or ''}".strip(": ")
+        err.print(f"acache: error: {msg}", highlight=False, markup=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        err.print("acache: interrupted")
+        sys.exit(130)
+    except Exception as e:   # click usage errors and the like
+        import click
+        if isinstance(e, click.exceptions.Exit):
+            sys.exit(e.exit_code)
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if isinstance(e, click.exceptions.Abort):
+            sys.exit(1)
+        err.print(f"acache: error: {type(e).__name__}: {e}", highlight=False, markup=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

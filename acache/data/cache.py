@@ -1,0 +1,206 @@
+"""Cache files on the local disk: one file per (inode, data generation).
+
+    <cache_dir>/data/<ino:x>.<gen>
+
+A generation's file is the backing file of the mount (pwrite, or the kernel
+itself with passthrough).  Space: clean files (their content is persisted) are
+evicted LRU; dirty ones never.  Writers wait for space (backpressure) instead of
+failing; ENOSPC only after ``stall_timeout``.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+
+from acache.errors import FsError
+
+log = logging.getLogger("acache.cache")
+FICLONE = 0x40049409
+
+
+class CacheDir:
+    def __init__(self, root: str, limit: int, stall_timeout: float) -> None:
+        self.root = root
+        self.dir = os.path.join(root, "data")
+        os.makedirs(self.dir, exist_ok=True)
+        self.limit = limit
+        self.stall_timeout = stall_timeout
+        self._fds: dict[tuple[int, int], list[int]] = {}   # (ino, gen) -> [fd, refs]
+        self._lock = threading.Lock()
+        self.space = threading.Condition(self._lock)
+        self._sizes: dict[tuple[int, int], int] = {}       # bytes on disk per file we know
+        self.dirty: set[tuple[int, int]] = set()           # files that may not be evicted
+        self.lru: OrderedDict[int, int] = OrderedDict()    # clean ino -> gen, oldest first
+        self.evict_hook = None                             # (ino, gen) -> bool: evict if still clean
+        self.stalls = 0
+
+    def path(self, ino: int, gen: int) -> str:
+        return os.path.join(self.dir, f"{ino:x}.{gen}")
+
+    # -- file descriptors shared by every open of one generation --------------------
+    def acquire(self, ino: int, gen: int, create: bool = False) -> int:
+        key = (ino, gen)
+        with self._lock:
+            if key in self._fds:
+                self._fds[key][1] += 1
+                return self._fds[key][0]
+            flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+            fd = os.open(self.path(ino, gen), flags, 0o600)
+            self._fds[key] = [fd, 1]
+            self.lru.pop(ino, None)
+            return fd
+
+    def release(self, ino: int, gen: int) -> None:
+        key = (ino, gen)
+        with self._lock:
+            ent = self._fds.get(key)
+            if ent is None:
+                return
+            ent[1] -= 1
+            if ent[1] == 0:
+                os.close(ent[0])
+                del self._fds[key]
+
+    def is_open(self, ino: int, gen: int) -> bool:
+        return (ino, gen) in self._fds
+
+    def fd_of(self, ino: int, gen: int) -> int | None:
+        ent = self._fds.get((ino, gen))
+        return ent[0] if ent else None
+
+    # -- generations ----------------------------------------------------------------
+    def create_empty(self, ino: int, gen: int) -> None:
+        fd = os.open(self.path(ino, gen), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+
+    def clone(self, ino: int, src_gen: int, dst_gen: int) -> None:
+        """Copy a generation (reflink where the filesystem can, else copy_file_range)."""
+        src = os.open(self.path(ino, src_gen), os.O_RDONLY | os.O_CLOEXEC)
+        dst = os.open(self.path(ino, dst_gen), os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                fcntl.ioctl(dst, FICLONE, src)
+            except OSError:
+                size = os.fstat(src).st_size
+                off = 0
+                while off < size:
+                    n = os.copy_file_range(src, dst, size - off, off, off)
+                    if n == 0:
+                        break
+                    off += n
+        finally:
+            os.close(src)
+            os.close(dst)
+
+    def remove(self, ino: int, gen: int) -> None:
+        with self._lock:
+            self._sizes.pop((ino, gen), None)
+            self.dirty.discard((ino, gen))
+            if self.lru.get(ino) == gen:
+                del self.lru[ino]
+            self.space.notify_all()
+        try:
+            os.unlink(self.path(ino, gen))
+        except FileNotFoundError:
+            pass
+
+    def exists(self, ino: int, gen: int) -> bool:
+        return os.path.exists(self.path(ino, gen))
+
+    def disk_size(self, ino: int, gen: int) -> int:
+        try:
+            return os.stat(self.path(ino, gen)).st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    # -- accounting -------------------------------------------------------------------
+    def note(self, ino: int, gen: int, dirty: bool, size: int | None = None) -> None:
+        """Record a file's size on disk and whether it may be evicted."""
+        key = (ino, gen)
+        with self._lock:
+            self._sizes[key] = self.disk_size(ino, gen) if size is None else size
+            if dirty:
+                self.dirty.add(key)
+                self.lru.pop(ino, None)
+            else:
+                self.dirty.discard(key)
+                if key not in self._fds:
+                    self.lru[ino] = gen
+                    self.lru.move_to_end(ino)
+            self.space.notify_all()
+
+    def touch(self, ino: int) -> None:
+        with self._lock:
+            if ino in self.lru:
+                self.lru.move_to_end(ino)
+
+    def grow(self, ino: int, gen: int, end: int) -> None:
+        """A write reached ``end``: account it, and wait for room if over the limit."""
+        key = (ino, gen)
+        with self._lock:
+            if end <= self._sizes.get(key, 0):
+                return
+            self._sizes[key] = end
+        self.wait_for_room()
+
+    def used(self) -> int:
+        return sum(self._sizes.values())
+
+    def dirty_bytes(self) -> int:
+        return sum(self._sizes.get(k, 0) for k in list(self.dirty))
+
+    def wait_for_room(self, need: int = 0) -> None:
+        """Backpressure: evict clean data; if dirty data fills the cache, wait."""
+        deadline = None
+        while self.used() + need > self.limit:
+            if self._evict_one():
+                continue
+            if self.dirty_bytes() + need <= self.limit:
+                return   # only dirty + open files: over the soft limit but nothing to wait for
+            if deadline is None:
+                deadline = time.monotonic() + self.stall_timeout
+                self.stalls += 1
+                log.warning("cache full of dirty data (%d of %d bytes): writers wait for persisting",
+                            self.dirty_bytes(), self.limit)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.error("ENOSPC: dirty data stayed above the cache limit (%d bytes) for %.0f s "
+                          "(stall_timeout); is the under-storage reachable?", self.limit, self.stall_timeout)
+                raise FsError(errno.ENOSPC)
+            with self._lock:
+                self.space.wait(min(left, 0.5))
+
+    def _evict_one(self) -> bool:
+        with self._lock:
+            if not self.lru:
+                return False
+            ino, gen = self.lru.popitem(last=False)
+        if self.evict_hook is not None and self.evict_hook(ino, gen):
+            return True
+        return bool(self.lru)
+
+    def known(self) -> set[tuple[int, int]]:
+        out = set()
+        for name in os.listdir(self.dir):
+            ino, _, gen = name.partition(".")
+            try:
+                out.add((int(ino, 16), int(gen)))
+            except ValueError:
+                continue
+        return out
+
+    def known_for(self, ino: int) -> list[tuple[int, int]]:
+        prefix = f"{ino:x}."
+        out = []
+        for name in os.listdir(self.dir):
+            if name.startswith(prefix) and name[len(prefix):].isdigit():
+                out.append((ino, int(name[len(prefix):])))
+        return out
+
+    def statvfs(self) -> os.statvfs_result:
+        return os.statvfs(self.dir)

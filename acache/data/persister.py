@@ -1,0 +1,303 @@
+"""The persister: applies the journal to the under-storage, in order.
+
+PUT entries are *staged* (uploaded, not visible) in parallel, up to
+``concurrency`` at a time and ahead of the head of the journal; every entry is
+*committed* strictly in seq order (the commit point of DESIGN.md point 4).
+Errors: transient ones are retried forever with exponential backoff and jitter;
+permanent ones are recorded (``status``, ``flush --wait``) and retried slowly,
+and at once when someone asks for a flush.  Nothing is ever dropped.
+
+Threads: one scheduler thread (commits, applies renames/deletes) and a pool of
+stager threads.  All bookkeeping is under the MetaStore lock.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+from acache.data.cache import CacheDir
+from acache.data.under.base import Staged, UnderStore
+from acache.errors import UnderStoreError
+from acache.meta.store import Entry, MetaStore
+
+log = logging.getLogger("acache.persister")
+WINDOW = 256             # how far past the head staging may run
+
+
+class _Aborted(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    entry: Entry
+    state: str = "staging"          # staging | staged | committing | failed
+    staged: Staged | None = None
+    error: BaseException | None = None
+    aborted: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    sent: int = 0
+
+
+class Persister:
+    def __init__(self, meta: MetaStore, cache: CacheDir, under: UnderStore, *,
+                 flush_delay: float = 1.0, concurrency: int = 4) -> None:
+        self.meta, self.cache, self.under = meta, cache, under
+        self.flush_delay = flush_delay
+        self.lock = meta.lock
+        self.cond = threading.Condition(self.lock)
+        self.jobs: dict[int, Job] = {}
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-stage")
+        self.concurrency = concurrency
+        self.urgent_seq = 0
+        self.gc: Callable[[int, int], None] = lambda ino, gen: None
+        self.on_applied: Callable[[Entry], None] = lambda e: None
+        self._retry_at: dict[int, float] = {}   # seq -> monotonic time of the next try
+        self._attempts: dict[int, int] = {}
+        self.failed: dict[int, str] = {}        # seq -> permanent error message
+        self.last_error = ""
+        self.bytes_done = 0
+        self.files_done = 0
+        self._rate = deque(maxlen=64)           # (time, bytes_done)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="acache-persister", daemon=True)
+
+    # -- Inflight, for the journal rules (called under the lock) -------------------
+    def state(self, seq: int) -> str:
+        job = self.jobs.get(seq)
+        if job is None:
+            return ""
+        return "committing" if job.state == "committing" else "staging"
+
+    def abort(self, seq: int) -> None:
+        job = self.jobs.pop(seq, None)
+        if job is not None:
+            job.aborted = True
+        self._retry_at.pop(seq, None)
+        self.failed.pop(seq, None)
+        self.cond.notify_all()
+
+    def uses(self, ino: int, gen: int) -> bool:
+        return any(j.entry.ino == ino and j.entry.gen == gen and not j.done.is_set()
+                   for j in self.jobs.values())
+
+    # -- control ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self.lock:
+            self._stop = True
+            for job in self.jobs.values():
+                job.aborted = True
+            self.cond.notify_all()
+        self._thread.join(timeout=30)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def wake(self) -> None:
+        with self.lock:
+            self.cond.notify_all()
+
+    def hurry(self, seq: int) -> None:
+        """Skip the flush delay (and any backoff) for entries up to ``seq``."""
+        with self.lock:
+            self.urgent_seq = max(self.urgent_seq, seq)
+            for s in list(self._retry_at):
+                if s <= seq:
+                    self._retry_at[s] = 0.0
+            self.cond.notify_all()
+
+    def rate(self) -> float:
+        """Bytes per second over the last minute or so."""
+        if len(self._rate) < 2:
+            return 0.0
+        (t0, b0), (t1, b1) = self._rate[0], self._rate[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def in_flight(self) -> list[Job]:
+        with self.lock:
+            return list(self.jobs.values())
+
+    # -- the loop ----------------------------------------------------------------------
+    def _eligible_at(self, e: Entry) -> float:
+        at = self._retry_at.get(e.seq, 0.0)
+        if e.seq > self.urgent_seq:
+            at = max(at, e.t + self.flush_delay)
+        return at
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                if self._stop:
+                    return
+                timeout = self._schedule()
+                head = self.meta.journal()[:1]
+                head = head[0] if head else None
+                ready = head is not None and self._head_ready(head)
+                if not ready:
+                    self.cond.wait(timeout)
+                    continue
+                job = self.jobs.get(head.seq)
+                if job is not None:
+                    job.state = "committing"
+            try:
+                self._apply(head, job)
+            except UnderStoreError as e:
+                self._failed(head, e)
+            except Exception as e:   # a bug or an unexpected OS error: keep the entry, retry
+                log.exception("persisting seq %d (%s %s) failed", head.seq, head.op, head.path)
+                self._failed(head, UnderStoreError(f"{type(e).__name__}: {e}", retryable=True))
+
+    def _schedule(self) -> float:
+        """Start stages that are due; return how long to sleep at most."""
+        now = time.monotonic()
+        wake = 1.0
+        staging = sum(1 for j in self.jobs.values() if j.state == "staging")
+        for e in self.meta.journal()[:WINDOW]:
+            if e.op != "put" or e.seq in self.jobs:
+                continue
+            at = self._eligible_at(e)
+            if at > now:
+                wake = min(wake, at - now)
+                continue
+            if staging >= self.concurrency:
+                break
+            self._start_stage(e)
+            staging += 1
+        return max(wake, 0.01)
+
+    def _head_ready(self, head: Entry) -> bool:
+        if head.op != "put":
+            return self._eligible_at(head) <= time.monotonic()
+        job = self.jobs.get(head.seq)
+        return job is not None and job.done.is_set()
+
+    def _start_stage(self, e: Entry) -> None:
+        e.token = self.under.new_token(e.path)
+        txn = self.meta.txn()
+        txn.update_entry(e)
+        txn.commit()
+        job = Job(e)
+        self.jobs[e.seq] = job
+        self.pool.submit(self._stage, job)
+
+    def _stage(self, job: Job) -> None:
+        e = job.entry
+
+        def progress(n: int) -> None:
+            job.sent += n
+            if job.aborted:
+                raise _Aborted()
+
+        try:
+            job.staged = self.under.stage(e.path, e.token, self.cache.path(e.ino, e.gen), e.size,
+                                          progress)
+            if job.aborted:
+                job.staged.abort()
+        except _Aborted:
+            self._cleanup(e.token)
+        except BaseException as exc:   # handed to the scheduler thread
+            job.error = exc
+            if job.aborted:
+                self._cleanup(e.token)
+        finally:
+            job.state = "staged" if job.state == "staging" else job.state
+            job.done.set()
+            with self.lock:
+                if job.aborted:
+                    self.gc(e.ino, e.gen)
+                self.cond.notify_all()
+
+    def _cleanup(self, token: str) -> None:
+        try:
+            self.under.cleanup(token)
+        except Exception as e:  # leftovers are cleaned again at restart
+            log.warning("cleanup of %s failed: %s", token, e)
+
+    def _apply(self, e: Entry, job: Job | None) -> None:
+        if e.op == "put":
+            if job.error is not None:
+                err = job.error
+                with self.lock:
+                    self.jobs.pop(e.seq, None)
+                if isinstance(err, UnderStoreError):
+                    raise err
+                raise UnderStoreError(f"staging {e.path}: {err}", retryable=True)
+            job.staged.commit()
+        elif e.op == "rename":
+            self.under.rename(e.path, e.dst)
+        elif e.op == "delete":
+            self.under.delete(e.path)
+        elif e.op == "mkdir":
+            self.under.mkdir(e.path)
+        elif e.op == "rmdir":
+            self.under.rmdir(e.path)
+        with self.lock:
+            self._done(e)
+
+    def _done(self, e: Entry) -> None:
+        """Entry ``e`` is now in the under-storage (called under the lock)."""
+        self.jobs.pop(e.seq, None)
+        self._retry_at.pop(e.seq, None)
+        self._attempts.pop(e.seq, None)
+        if self.failed.pop(e.seq, None) is not None and not self.failed:
+            self.last_error = ""
+        txn = self.meta.txn()
+        txn.remove_entry(e.seq)
+        if e.op == "put":
+            node = self.meta.get(e.ino)
+            if node is not None:
+                node.upath = e.path
+                txn.save(node)
+            self.bytes_done += e.size
+            self.files_done += 1
+            self._rate.append((time.monotonic(), self.bytes_done))
+        elif e.op == "mkdir":
+            node = self.meta.get(e.ino)
+            if node is not None:
+                node.upath = e.path
+                txn.save(node)
+        elif e.op == "rename":
+            for ino in e.inos:
+                n = self.meta.get(ino)
+                if n is not None and n.upath is not None and \
+                        (n.upath == e.path or n.upath.startswith(e.path + "/")):
+                    n.upath = e.dst + n.upath[len(e.path):]
+                    txn.save(n)
+        txn.commit()
+        if e.op == "put":
+            self.gc(e.ino, e.gen)
+        self.on_applied(e)
+        self.cond.notify_all()
+
+    def _failed(self, e: Entry, err: UnderStoreError) -> None:
+        with self.lock:
+            n = self._attempts.get(e.seq, 0) + 1
+            self._attempts[e.seq] = n
+            job = self.jobs.pop(e.seq, None)
+            if job is not None and job.staged is not None:
+                try:
+                    job.staged.abort()
+                except Exception:
+                    pass
+            if err.retryable:
+                delay = min(30.0, 0.2 * 2 ** min(n, 10)) * (0.5 + random.random() / 2)
+                log.warning("persisting %s %s failed (try %d, again in %.1fs): %s",
+                            e.op, e.path, n, delay, err)
+                self.last_error = f"{e.op} {e.path}: {err} (retrying)"
+            else:
+                delay = 15.0
+                self.failed[e.seq] = str(err)
+                log.error("persisting %s %s failed permanently (data kept, retried every %.0fs "
+                          "and on flush): %s", e.op, e.path, delay, err)
+                self.last_error = f"{e.op} {e.path}: {err}"
+            self._retry_at[e.seq] = time.monotonic() + delay
+            self.cond.notify_all()
+        if e.op == "put" and e.token:
+            self._cleanup(e.token)

@@ -1,0 +1,115 @@
+"""Read-through: fill a cache file from the under-storage in large chunks.
+
+A file that is in the under-storage but not (wholly) in the cache is fetched
+``chunk_size`` bytes at a time with ranged reads into its sparse cache file;
+sequential readers get the next chunks fetched ahead, in parallel.  Never one
+under-storage request per small read.  Which chunks are present is kept in
+memory; after a restart a partial file is fetched again.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from acache.data.under.base import UnderStore
+from acache.errors import FsError, UnderStoreError
+
+log = logging.getLogger("acache.readthrough")
+READAHEAD = 4
+
+
+class _Fill:
+    def __init__(self, size: int, chunk: int) -> None:
+        self.present: set[int] = set()
+        self.loading: dict[int, threading.Event] = {}
+        self.nchunks = (size + chunk - 1) // chunk
+        self.errors: dict[int, Exception] = {}
+
+
+class ReadThrough:
+    def __init__(self, under: UnderStore, chunk_size: int, workers: int = 8) -> None:
+        self.under = under
+        self.chunk = chunk_size
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="acache-fetch")
+        self._fills: dict[tuple[int, int], _Fill] = {}
+        self._lock = threading.Lock()
+
+    def forget(self, ino: int, gen: int) -> None:
+        with self._lock:
+            self._fills.pop((ino, gen), None)
+
+    def ensure(self, ino: int, gen: int, fd: int, upath, size: int, offset: int, length: int,
+               readahead: bool = True) -> bool:
+        """Make bytes [offset, offset+length) of the file present in ``fd``.
+        ``upath`` is a callable giving the current under-storage path.
+        Returns True once the whole file is present."""
+        end = min(size, offset + length)
+        with self._lock:
+            fill = self._fills.setdefault((ino, gen), _Fill(size, self.chunk))
+        if end > offset:
+            first, last = offset // self.chunk, (end - 1) // self.chunk
+            wanted = list(range(first, last + 1))
+            if readahead:
+                wanted += [c for c in range(last + 1, min(last + 1 + READAHEAD, fill.nchunks))]
+            waits = [self._start(fill, ino, gen, fd, upath, size, c) for c in wanted]
+            for c, ev in zip(wanted, waits):
+                if c > last:
+                    break
+                if ev is not None:
+                    ev.wait()
+                if c in fill.errors:
+                    err = fill.errors.pop(c)
+                    log.error("read-through of %s failed: %s", upath(), err)
+                    raise FsError(5, str(err))
+        with self._lock:
+            done = len(fill.present) >= fill.nchunks
+            if done:
+                self._fills.pop((ino, gen), None)
+        return done
+
+    def fetch_all(self, ino, gen, fd, upath, size) -> None:
+        self.ensure(ino, gen, fd, upath, size, 0, size, readahead=False)
+
+    def _start(self, fill: _Fill, ino, gen, fd, upath, size, c: int):
+        with self._lock:
+            if c in fill.present:
+                return None
+            ev = fill.loading.get(c)
+            if ev is not None:
+                return ev
+            ev = fill.loading[c] = threading.Event()
+        # our own descriptor: the caller's may be closed before a read-ahead lands
+        self.pool.submit(self._load, fill, os.dup(fd), upath, size, c, ev)
+        return ev
+
+    def _load(self, fill: _Fill, fd, upath, size, c: int, ev: threading.Event) -> None:
+        off = c * self.chunk
+        n = min(self.chunk, size - off)
+        try:
+            data = b""
+            for attempt in range(3):       # a rename may move the object under us
+                try:
+                    data = self.under.read(upath(), off, n)
+                    break
+                except UnderStoreError:
+                    if attempt == 2:
+                        raise
+            if len(data) != n:
+                raise UnderStoreError(f"short read of {upath()} at {off}: {len(data)} of {n} bytes "
+                                      "(changed in the under-storage?)", retryable=False)
+            view = memoryview(data)
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, view[done:], off + done)
+            with self._lock:
+                fill.present.add(c)
+        except Exception as e:
+            with self._lock:
+                fill.errors[c] = e
+        finally:
+            os.close(fd)
+            with self._lock:
+                fill.loading.pop(c, None)
+            ev.set()

@@ -1,0 +1,309 @@
+"""Open files: handles, read/write, and close (FLUSH) — the event that orders
+and schedules persistence (DESIGN.md points 2 and 3).
+
+A generation's cache file is immutable once a PUT refers to it: opening such a
+file for writing gives it a new generation (empty for O_TRUNC, else a copy —
+a reflink where the filesystem can), so a pending upload never sees later
+writes.  Readers keep the generation they opened.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from acache.errors import FsError
+from acache.meta import journal
+from acache.meta.store import Inode
+
+
+@dataclass
+class Handle:
+    fh: int
+    ino: int
+    gen: int
+    fd: int
+    writable: bool
+    closed: bool = False          # FLUSH seen (close(2) of one of its fds)
+
+
+class FileOps:
+    """Mixed into VFS; uses self.meta, self.cache, self.persister, self.fetch, self.lock."""
+
+    def _init_files(self) -> None:
+        self._handles: dict[int, Handle] = {}
+        self._fh_next = 0
+        self._opens: dict[int, int] = {}             # ino -> open handles
+        self._writers: dict[int, set[int]] = {}      # ino -> write handles not yet closed
+        self._wopen: dict[int, int] = {}             # ino -> write handles not yet released
+        self._sig: dict[int, tuple[int, int]] = {}   # ino -> (size, mtime) when last journaled
+        self._dir_lock = threading.Lock()
+
+    def _open_count(self, ino: int) -> int:
+        return self._opens.get(ino, 0)
+
+    def _write_fd(self, node: Inode) -> int | None:
+        if self._wopen.get(node.ino):
+            return self.cache.fd_of(node.ino, node.gen)
+        return None
+
+    def _handle(self, fh: int) -> Handle:
+        h = self._handles.get(fh)
+        if h is None:
+            raise FsError(errno.EBADF)
+        return h
+
+    def _new_handle(self, node: Inode, writable: bool) -> int:
+        fd = self.cache.acquire(node.ino, node.gen, create=True)
+        self._fh_next += 1
+        h = Handle(self._fh_next, node.ino, node.gen, fd, writable)
+        self._handles[h.fh] = h
+        self._opens[node.ino] = self._opens.get(node.ino, 0) + 1
+        if writable:
+            self._writers.setdefault(node.ino, set()).add(h.fh)
+            self._wopen[node.ino] = self._wopen.get(node.ino, 0) + 1
+        return h.fh
+
+    def _upath_fn(self, ino: int):
+        def upath() -> str:
+            node = self.meta.get(ino)
+            return node.upath if node is not None and node.upath is not None else ""
+        return upath
+
+    def _sync_dir(self) -> None:
+        with self._dir_lock:
+            fd = os.open(self.cache.dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    # -- open / create ------------------------------------------------------------------
+    def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, object]:
+        self._check_name(name)
+        existing = self._child(parent, name)
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise FsError(errno.EEXIST)
+            if existing.is_dir:
+                raise FsError(errno.EISDIR)
+            fh = self.open(existing.ino, flags, ctx)
+            with self.lock:
+                self._lookups[existing.ino] = self._lookups.get(existing.ino, 0) + 1
+                return fh, self.attr(existing)
+        self.cache.wait_for_room()
+        with self.lock:
+            p = self._dir(parent)
+            if self.meta.child(parent, name) is not None:
+                raise FsError(errno.EEXIST)
+            txn = self.meta.txn()
+            now = time.time_ns()
+            node = self.meta.new_inode(txn, mode=0o100000 | (mode & 0o7777), uid=ctx.uid, gid=ctx.gid,
+                                       atime_ns=now, mtime_ns=now, ctime_ns=now, parent=parent,
+                                       name=name, dirty=True, cached=True)
+            self.cache.create_empty(node.ino, 0)
+            txn.link(parent, name, node.ino)
+            self._touch_dir(txn, p)
+            txn.commit()
+            self.cache.note(node.ino, 0, dirty=True, size=0)
+            fh = self._new_handle(node, True)
+            self._lookups[node.ino] = self._lookups.get(node.ino, 0) + 1
+            return fh, self.attr(node)
+
+    def open(self, ino: int, flags: int, ctx=None) -> int:
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        trunc = writable and bool(flags & os.O_TRUNC)
+        node = self._node(ino)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        if writable:
+            self.cache.wait_for_room()
+            if not node.cached and not trunc and node.size:
+                self._fill_whole(node)
+        with self.lock:
+            node = self._node(ino)
+            if not writable:
+                self.cache.touch(ino)
+                return self._new_handle(node, False)
+            old_gen = node.gen
+            if self.meta.gen_pending(ino, node.gen) or self.persister.uses(ino, node.gen) \
+                    or not node.cached:
+                node.gen += 1
+                if trunc or not node.cached:
+                    self.cache.create_empty(ino, node.gen)
+                else:
+                    self.cache.clone(ino, old_gen, node.gen)
+                node.cached = True
+            elif trunc:
+                os.truncate(self.cache.path(ino, node.gen), 0)
+            if trunc:
+                node.size = 0
+                node.mtime_ns = node.ctime_ns = time.time_ns()
+            txn = self.meta.txn()
+            node.dirty = True
+            txn.save(node)
+            txn.commit()
+            self.cache.note(ino, node.gen, dirty=True)
+            fh = self._new_handle(node, True)
+            if old_gen != node.gen:
+                self.gc_gen(ino, old_gen)
+            return fh
+
+    def _fill_whole(self, node: Inode) -> None:
+        """Fetch a read-through file completely (before it is opened for writing)."""
+        with self.lock:
+            fd = self.cache.acquire(node.ino, node.gen, create=True)
+            gen = node.gen
+        try:
+            self.fetch.fetch_all(node.ino, gen, fd, self._upath_fn(node.ino), node.size)
+            with self.lock:
+                if node.gen == gen and not node.cached:
+                    node.cached = True
+                    txn = self.meta.txn()
+                    txn.save(node)
+                    txn.commit()
+        finally:
+            self.cache.release(node.ino, gen)
+
+    def passthrough_fd(self, fh: int) -> int | None:
+        with self.lock:
+            h = self._handle(fh)
+            node = self.meta.get(h.ino)
+            if node is None or (h.gen == node.gen and not node.cached):
+                return None
+            return h.fd
+
+    # -- data ------------------------------------------------------------------------------
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        h = self._handle(fh)
+        node = self.meta.get(h.ino)
+        if node is not None and h.gen == node.gen and not node.cached:
+            size = max(0, min(size, node.size - offset))
+            if size == 0:
+                return b""
+            if self.fetch.ensure(h.ino, h.gen, h.fd, self._upath_fn(h.ino), node.size, offset, size):
+                with self.lock:
+                    if node.gen == h.gen and not node.cached:
+                        node.cached = True
+                        txn = self.meta.txn()
+                        txn.save(node)
+                        txn.commit()
+                        self.cache.note(h.ino, h.gen, dirty=False)
+        return os.pread(h.fd, size, offset)
+
+    def write(self, fh: int, offset: int, data) -> int:
+        h = self._handle(fh)
+        if not h.writable:
+            raise FsError(errno.EBADF)
+        n = os.pwrite(h.fd, data, offset)
+        if h.closed:   # written again through a dup'd descriptor after a close
+            with self.lock:
+                h.closed = False
+                self._writers.setdefault(h.ino, set()).add(fh)
+                node = self.meta.get(h.ino)
+                if node is not None and not node.dirty:
+                    node.dirty = True
+                    txn = self.meta.txn()
+                    txn.save(node)
+                    txn.commit()
+        self.cache.grow(h.ino, h.gen, offset + n)
+        return n
+
+    # -- close ------------------------------------------------------------------------------
+    def flush(self, fh: int) -> None:
+        with self.lock:
+            h = self._handles.get(fh)
+            if h is None or not h.writable or h.closed:
+                return
+            h.closed = True
+            active = self._writers.get(h.ino, set())
+            active.discard(fh)
+            if not active:
+                self._close_file(h)
+
+    def _close_file(self, h: Handle) -> None:
+        """The last writer closed the file: journal its commit (under the lock)."""
+        node = self.meta.get(h.ino)
+        if node is None or h.gen != node.gen:
+            return
+        s = os.fstat(h.fd)
+        sig = (s.st_size, s.st_mtime_ns)
+        txn = self.meta.txn()
+        node.size = s.st_size
+        if sig != self._sig.get(h.ino):      # unchanged since its last journaled close: no upload
+            node.mtime_ns = max(node.mtime_ns, s.st_mtime_ns)
+            if node.nlink > 0:
+                journal.journal_put(self.meta, txn, self.persister, node)
+        node.dirty = False
+        self._sig[h.ino] = sig
+        txn.save(node)
+        txn.commit()
+        self.cache.note(h.ino, h.gen, dirty=True, size=s.st_blocks * 512)
+        self.persister.wake()
+
+    def release(self, fh: int) -> None:
+        reap = None
+        with self.lock:
+            h = self._handles.pop(fh, None)
+            if h is None:
+                return
+            self._opens[h.ino] -= 1
+            if not self._opens[h.ino]:
+                del self._opens[h.ino]
+            node = self.meta.get(h.ino)
+            if h.writable:
+                self._writers.get(h.ino, set()).discard(fh)
+                self._wopen[h.ino] -= 1
+                if not self._wopen[h.ino]:
+                    del self._wopen[h.ino]
+                    self._writers.pop(h.ino, None)
+                    if node is not None and node.gen == h.gen:
+                        s = os.fstat(h.fd)
+                        if node.dirty or (s.st_size, s.st_mtime_ns) != self._sig.get(h.ino):
+                            self._close_file(h)   # written after its close (mmap, dup'd fd)
+            self.cache.release(h.ino, h.gen)
+            if node is not None and node.nlink == 0 and h.ino not in self._opens:
+                reap = node
+            elif node is None or h.gen != node.gen:
+                self.gc_gen(h.ino, h.gen)
+        if reap is not None:
+            self._sig.pop(reap.ino, None)
+            self._reap(reap)
+
+    def fsync(self, fh: int, datasync: bool) -> None:
+        h = self._handle(fh)
+        (os.fdatasync if datasync else os.fsync)(h.fd)
+        self._sync_dir()
+        with self.lock:
+            node = self.meta.get(h.ino)
+            if node is None:
+                return
+            if h.writable and node.gen == h.gen:
+                s = os.fstat(h.fd)
+                node.size = s.st_size
+                node.mtime_ns = max(node.mtime_ns, s.st_mtime_ns)
+            txn = self.meta.txn()
+            txn.save(node)
+            txn.commit(sync=True)
+
+    def _truncate(self, ino: int, fh: int | None, size: int) -> None:
+        """truncate(2)/ftruncate(2): through an open write handle, or as open+close."""
+        if fh is not None and fh in self._handles and self._handles[fh].writable:
+            h = self._handles[fh]
+            os.ftruncate(h.fd, size)
+            return
+        with self.lock:
+            node = self._node(ino)
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            if self._wopen.get(ino):
+                os.ftruncate(self.cache.fd_of(ino, node.gen), size)
+                return
+        fh = self.open(ino, os.O_WRONLY | (os.O_TRUNC if size == 0 else 0))
+        try:
+            os.ftruncate(self._handles[fh].fd, size)
+            self.flush(fh)
+        finally:
+            self.release(fh)

@@ -1,0 +1,234 @@
+"""The pyfuse3 mount engine: a thin adapter from pyfuse3 Operations to the VFS.
+
+Each handler calls the VFS in a worker thread (never blocking the trio loop)
+and translates errors at this one edge: FsError -> FUSEError(errno); anything
+else is logged and answered EIO (any other exception would tear the mount down).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+
+import pyfuse3
+import trio
+
+from acache.errors import FsError
+from acache.fs.types import UTIME_NOW, Attr, Ctx
+
+log = logging.getLogger("acache.fs.pyfuse3")
+
+
+def _entry(a: Attr, timeout: float = 1.0) -> pyfuse3.EntryAttributes:
+    e = pyfuse3.EntryAttributes()
+    e.st_ino = a.ino
+    e.generation = a.generation
+    e.entry_timeout = timeout
+    e.attr_timeout = timeout
+    e.st_mode = a.mode
+    e.st_nlink = a.nlink
+    e.st_uid = a.uid
+    e.st_gid = a.gid
+    e.st_rdev = a.rdev
+    e.st_size = a.size
+    e.st_blksize = a.blksize
+    e.st_blocks = a.blocks
+    e.st_atime_ns = a.atime_ns
+    e.st_mtime_ns = a.mtime_ns
+    e.st_ctime_ns = a.ctime_ns
+    return e
+
+
+def _ctx(ctx) -> Ctx:
+    return Ctx(uid=ctx.uid, gid=ctx.gid, pid=ctx.pid, umask=ctx.umask) if ctx is not None else Ctx()
+
+
+class Ops(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+
+    def __init__(self, vfs) -> None:
+        super().__init__()
+        self.vfs = vfs
+        self.limiter = trio.CapacityLimiter(32)
+
+    async def _call(self, fn, *args, **kw):
+        try:
+            return await trio.to_thread.run_sync(lambda: fn(*args, **kw), limiter=self.limiter)
+        except FsError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
+        except OSError as e:
+            log.error("%s: %s", getattr(fn, "__name__", fn), e)
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except Exception:
+            log.exception("unexpected error in %s", getattr(fn, "__name__", fn))
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        return _entry(await self._call(self.vfs.lookup, parent_inode, name, _ctx(ctx)))
+
+    async def forget(self, inode_list):
+        try:
+            self.vfs.forget(inode_list)
+        except Exception:
+            log.exception("forget")
+
+    async def getattr(self, inode, ctx=None):
+        return _entry(await self._call(self.vfs.getattr, inode))
+
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        kw = {}
+        if fields.update_mode:
+            kw["mode"] = attr.st_mode
+        if fields.update_uid:
+            kw["uid"] = attr.st_uid
+        if fields.update_gid:
+            kw["gid"] = attr.st_gid
+        if fields.update_size:
+            kw["size"] = attr.st_size
+        if fields.update_atime:
+            kw["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            kw["mtime_ns"] = attr.st_mtime_ns
+        return _entry(await self._call(self.vfs.setattr, inode, _ctx(ctx), fh=fh, **kw))
+
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        return _entry(await self._call(self.vfs.mkdir, parent_inode, name, mode, _ctx(ctx)))
+
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return _entry(await self._call(self.vfs.mknod, parent_inode, name, mode, rdev, _ctx(ctx)))
+
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        fh, attr = await self._call(self.vfs.create, parent_inode, name, mode, flags, _ctx(ctx))
+        return pyfuse3.FileInfo(fh=fh), _entry(attr)
+
+    async def open(self, inode, flags, ctx):
+        return pyfuse3.FileInfo(fh=await self._call(self.vfs.open, inode, flags, _ctx(ctx)))
+
+    async def read(self, fh, off, size):
+        return await self._call(self.vfs.read, fh, off, size)
+
+    async def write(self, fh, off, buf):
+        return await self._call(self.vfs.write, fh, off, buf)
+
+    async def flush(self, fh):
+        await self._call(self.vfs.flush, fh)
+
+    async def release(self, fh):
+        await self._call(self.vfs.release, fh)
+
+    async def fsync(self, fh, datasync):
+        await self._call(self.vfs.fsync, fh, bool(datasync))
+
+    async def unlink(self, parent_inode, name, ctx):
+        await self._call(self.vfs.unlink, parent_inode, name, _ctx(ctx))
+
+    async def rmdir(self, parent_inode, name, ctx):
+        await self._call(self.vfs.rmdir, parent_inode, name, _ctx(ctx))
+
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        await self._call(self.vfs.rename, parent_inode_old, name_old, parent_inode_new, name_new,
+                         flags, _ctx(ctx))
+
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    async def symlink(self, parent_inode, name, target, ctx):
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+    async def opendir(self, inode, ctx):
+        return await self._call(self.vfs.opendir, inode, _ctx(ctx))
+
+    async def readdir(self, fh, start_id, token):
+        for name, attr, nxt in await self._call(self.vfs.readdir, fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, _entry(attr), nxt):
+                break
+            self.vfs.incref(attr.ino)
+
+    async def releasedir(self, fh):
+        await self._call(self.vfs.releasedir, fh)
+
+    async def fsyncdir(self, fh, datasync):
+        return None
+
+    async def statfs(self, ctx):
+        s = await self._call(self.vfs.statfs)
+        out = pyfuse3.StatvfsData()
+        out.f_bsize, out.f_frsize = s.bsize, s.frsize
+        out.f_blocks, out.f_bfree, out.f_bavail = s.blocks, s.bfree, s.bavail
+        out.f_files, out.f_ffree, out.f_favail = s.files, s.ffree, s.ffree
+        out.f_namemax = s.namemax
+        return out
+
+    async def getxattr(self, inode, name, ctx):
+        return await self._call(self.vfs.getxattr, inode, name)
+
+    async def listxattr(self, inode, ctx):
+        return await self._call(self.vfs.listxattr, inode)
+
+    async def setxattr(self, inode, name, value, ctx):
+        await self._call(self.vfs.setxattr, inode, name, value)
+
+    async def removexattr(self, inode, name, ctx):
+        await self._call(self.vfs.removexattr, inode, name)
+
+    async def access(self, inode, mode, ctx):
+        return True
+
+
+class Pyfuse3Engine:
+    """Runs pyfuse3's trio loop in a thread of the node process."""
+
+    passthrough_active = False
+
+    def __init__(self, vfs, mountpoint: str, *, fsname: str = "acache") -> None:
+        self.vfs, self.mountpoint, self.fsname = vfs, mountpoint, fsname
+        self._thread: threading.Thread | None = None
+        self._token = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+
+    def start(self) -> None:
+        opts = set(pyfuse3.default_options)
+        opts.discard("default_permissions")
+        opts |= {f"fsname={self.fsname}", "subtype=acache", "allow_other", "default_permissions"}
+        pyfuse3.init(Ops(self.vfs), self.mountpoint, opts)
+        self._thread = threading.Thread(target=self._run, name="acache-pyfuse3", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error:
+            raise self._error
+
+    def _run(self) -> None:
+        async def main():
+            self._token = trio.lowlevel.current_trio_token()
+            self._ready.set()
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+        try:
+            trio.run(main)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            self._error = e
+            log.exception("the pyfuse3 loop ended with an error")
+        finally:
+            self._ready.set()
+            try:
+                pyfuse3.close(unmount=True)
+            except Exception:
+                pass
+            self._done.set()
+
+    def stop(self) -> None:
+        if self._done.is_set() or self._token is None:
+            return
+        try:
+            trio.from_thread.run_sync(pyfuse3.terminate, trio_token=self._token)
+        except Exception:
+            pass
+        self._done.wait(10)
+        if not self._done.is_set():
+            os.system(f"umount -l {self.mountpoint!r} 2>/dev/null")
+
+    def wait(self) -> None:
+        self._done.wait()

@@ -1,0 +1,96 @@
+"""How namespace changes become journal entries (DESIGN.md points 4 and 5).
+
+The under-storage must always show a prefix of the history, with the names of
+data that was never persisted elided:
+  * closing a file appends PUT(path, ino, gen); an older PUT of the same file
+    that has not started is superseded (cancelled);
+  * renaming data that is not in the under-storage yet moves its pending PUT
+    (and MKDIRs, for a directory) to the rename's place in the journal, under
+    the new name: no traffic for the old name, and nothing closed after the
+    rename can land before it.  If any of it is already in the under-storage
+    (or being committed), a RENAME entry is appended instead, applied in order;
+  * deleting cancels pending PUTs/MKDIRs; a DELETE/RMDIR is appended only when
+    something may exist in the under-storage.  Nothing deleted comes back.
+
+All functions run under the MetaStore lock, inside one Txn.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from acache.meta.store import Entry, Inode, MetaStore, Txn
+
+
+class Inflight(Protocol):
+    """What the persister tells the journal rules about entries it works on."""
+
+    def state(self, seq: int) -> str:
+        """'' (not started) | 'staging' (uploading, abortable) | 'committing'."""
+
+    def abort(self, seq: int) -> None:
+        """Stop staging this entry; its upload is thrown away."""
+
+
+def _cancel(txn: Txn, inflight: Inflight, e: Entry) -> None:
+    if inflight.state(e.seq) == "staging":
+        inflight.abort(e.seq)
+    txn.remove_entry(e.seq)
+
+
+def journal_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> Entry:
+    """The file was closed: commit its current generation at its current path."""
+    for old in meta.puts_of(node.ino):
+        if inflight.state(old.seq) == "":
+            txn.remove_entry(old.seq)
+    return txn.append(op="put", path=meta.path_of(node.ino), ino=node.ino, gen=node.gen,
+                      size=node.size)
+
+
+def _subtree(meta: MetaStore, node: Inode) -> list[Inode]:
+    out, todo = [], [node]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        if n.is_dir:
+            todo.extend(meta.get(i) for i in meta.children(n.ino).values())
+    return out
+
+
+def on_delete(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode, path: str,
+              append: bool = True) -> bool:
+    """``node`` (a file, or an empty directory) is going away from ``path``.
+    Returns whether the under-storage may hold it (then a DELETE/RMDIR is
+    appended, unless ``append`` is False and the caller takes care of it)."""
+    committing = False
+    for e in list(meta.journal()):
+        if e.ino == node.ino and e.op in ("put", "mkdir"):
+            if inflight.state(e.seq) == "committing":
+                committing = True
+            else:
+                _cancel(txn, inflight, e)
+    remote = node.upath is not None or committing
+    if remote and append:
+        txn.append(op="rmdir" if node.is_dir else "delete", path=path, ino=node.ino)
+    return remote
+
+
+def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
+              old: str, new: str) -> bool:
+    """``node`` moves from ``old`` to ``new``.  Returns True when an entry now
+    lands at ``new`` (so a replaced target needs no DELETE of its own)."""
+    sub = _subtree(meta, node)
+    inos = {n.ino for n in sub}
+    mine = [e for e in meta.journal() if e.ino in inos and e.op in ("put", "mkdir")]
+    remote = any(n.upath is not None for n in sub) \
+        or any(inflight.state(e.seq) == "committing" for e in mine) \
+        or any(e.op not in ("put", "mkdir") and (e.touches(old)) for e in meta.journal())
+    if remote:
+        txn.append(op="rename", path=old, dst=new, ino=node.ino, inos=sorted(inos))
+        return True
+    moved = False
+    for e in mine:
+        _cancel(txn, inflight, e)
+        path = new + e.path[len(old):]
+        txn.append(op=e.op, path=path, ino=e.ino, gen=e.gen, size=e.size)
+        moved = moved or path == new
+    return moved

@@ -1,0 +1,245 @@
+"""MetaStore: the namespace and the journal, one interface over a KV.
+
+The whole namespace is mirrored in memory (checkpoint trees are thousands of
+files, not billions) and written through to the KV in atomic batches; hot
+data-path calls (read/write) touch no key.  A second implementation (a remote
+head, FoundationDB...) replaces this class without the VFS noticing.
+
+Write-back states of a file (the durability rule of each):
+  dirty       open for writing, or closed with a journaled PUT not yet started.
+              Bytes are in the cache file; the `dirty` flag is in the KV, so a
+              crash re-journals the file at restart.  fsync = fdatasync + sync batch.
+  persisting  its PUT is being staged/committed to the under-storage.
+  persisted   the under-storage holds its current content at `upath`.
+  failed      the under-storage refused it permanently; retried, data kept.
+"""
+from __future__ import annotations
+
+import stat as st
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import msgpack
+
+from acache.meta import schema as K
+from acache.meta.kv import KV
+
+ROOT_INO = 1
+
+
+@dataclass
+class Inode:
+    ino: int
+    mode: int
+    uid: int = 0
+    gid: int = 0
+    nlink: int = 1
+    size: int = 0
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    parent: int = 0
+    name: bytes = b""
+    gen: int = 0              # data generation: cache file "<ino>.<gen>"
+    dirty: bool = False       # open for writing since the last journaled PUT
+    cached: bool = False      # the cache file of `gen` holds the whole content
+    upath: str | None = None  # where the under-storage holds its committed data
+    listed: bool = False      # dirs: under-storage children merged in
+    node: str = "local"       # placement: the worker holding the cache file
+
+    @property
+    def is_dir(self) -> bool:
+        return st.S_ISDIR(self.mode)
+
+    def pack(self) -> bytes:
+        return msgpack.packb(asdict(self), use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "Inode":
+        return cls(**msgpack.unpackb(raw, raw=False))
+
+
+@dataclass
+class Entry:
+    """One operation to apply to the under-storage, in seq order.
+
+    op: put (ino/gen/size -> path), rename (path -> dst, inos whose upath moves),
+        delete (path), mkdir (path), rmdir (path)."""
+    seq: int
+    op: str
+    path: str
+    dst: str = ""
+    ino: int = 0
+    gen: int = 0
+    size: int = 0
+    t: float = 0.0            # when it was journaled (flush delay counts from here)
+    token: str = ""           # a stage in progress (cleaned up after a crash)
+    inos: list = field(default_factory=list)
+
+    def pack(self) -> bytes:
+        return msgpack.packb(asdict(self), use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "Entry":
+        return cls(**msgpack.unpackb(raw, raw=False))
+
+    def touches(self, prefix: str) -> bool:
+        """Does this entry change anything at or under ``prefix`` ('' = all)?"""
+        if not prefix:
+            return True
+        return any(p == prefix or p.startswith(prefix + "/") for p in (self.path, self.dst) if p)
+
+
+class Txn:
+    """Changes collected under the store lock and written as one batch."""
+
+    def __init__(self, store: "MetaStore") -> None:
+        self.store = store
+        self.puts: dict[bytes, bytes] = {}
+        self.deletes: list[bytes] = []
+        self.dirty_inodes: dict[int, Inode] = {}
+
+    def save(self, ino: Inode) -> None:
+        self.dirty_inodes[ino.ino] = ino
+
+    def link(self, parent: int, name: bytes, ino: int) -> None:
+        self.store._children.setdefault(parent, {})[name] = ino
+        self.puts[K.dentry_key(parent, name)] = K.u64(ino)
+        self.deletes = [k for k in self.deletes if k != K.dentry_key(parent, name)]
+
+    def unlink(self, parent: int, name: bytes) -> None:
+        self.store._children.get(parent, {}).pop(name, None)
+        key = K.dentry_key(parent, name)
+        self.puts.pop(key, None)
+        self.deletes.append(key)
+
+    def drop_inode(self, ino: int) -> None:
+        self.store._inodes.pop(ino, None)
+        self.store._children.pop(ino, None)
+        self.dirty_inodes.pop(ino, None)
+        self.puts.pop(K.inode_key(ino), None)
+        self.deletes.append(K.inode_key(ino))
+
+    def append(self, **kw) -> Entry:
+        s = self.store
+        s._next_seq += 1
+        e = Entry(seq=s._next_seq, t=time.monotonic(), **kw)
+        s._journal[e.seq] = e
+        if e.op == "put":
+            s._puts_of.setdefault(e.ino, set()).add(e.seq)
+        self.puts[K.journal_key(e.seq)] = e.pack()
+        self.puts[K.counter_key("next_seq")] = K.u64(s._next_seq)
+        return e
+
+    def update_entry(self, e: Entry) -> None:
+        self.puts[K.journal_key(e.seq)] = e.pack()
+
+    def remove_entry(self, seq: int) -> None:
+        e = self.store._journal.pop(seq, None)
+        if e is not None and e.op == "put":
+            seqs = self.store._puts_of.get(e.ino)
+            if seqs is not None:
+                seqs.discard(seq)
+                if not seqs:
+                    del self.store._puts_of[e.ino]
+        self.puts.pop(K.journal_key(seq), None)
+        self.deletes.append(K.journal_key(seq))
+
+    def commit(self, sync: bool = False) -> None:
+        for ino in self.dirty_inodes.values():
+            if ino.ino in self.store._inodes:
+                self.puts[K.inode_key(ino.ino)] = ino.pack()
+        if self.puts or self.deletes:
+            self.store.kv.write(self.puts, self.deletes, sync=sync)
+        self.puts, self.deletes, self.dirty_inodes = {}, [], {}
+
+
+class MetaStore:
+    """The namespace + journal.  Callers hold ``lock`` around reads and txns."""
+
+    def __init__(self, kv: KV) -> None:
+        self.kv = kv
+        self.lock = threading.RLock()
+        self._inodes: dict[int, Inode] = {}
+        self._children: dict[int, dict[bytes, int]] = {}
+        self._journal: dict[int, Entry] = {}
+        self._puts_of: dict[int, set[int]] = {}   # ino -> seqs of its pending PUTs
+        raw = kv.get(K.counter_key("next_ino"))
+        self._next_ino = K.from_u64(raw) if raw else ROOT_INO
+        raw = kv.get(K.counter_key("next_seq"))
+        self._next_seq = K.from_u64(raw) if raw else 0
+        for _, v in kv.scan(K.INODE_PREFIX):
+            ino = Inode.unpack(v)
+            self._inodes[ino.ino] = ino
+        for k, v in kv.scan(K.DENTRY_PREFIX):
+            parent = K.from_u64(k[1:9])
+            self._children.setdefault(parent, {})[k[9:]] = K.from_u64(v)
+        for _, v in kv.scan(K.JOURNAL_PREFIX):
+            e = Entry.unpack(v)
+            self._journal[e.seq] = e
+            if e.op == "put":
+                self._puts_of.setdefault(e.ino, set()).add(e.seq)
+        if ROOT_INO not in self._inodes:
+            now = time.time_ns()
+            root = Inode(ROOT_INO, st.S_IFDIR | 0o755, nlink=2, atime_ns=now, mtime_ns=now,
+                         ctime_ns=now, upath="", cached=True)
+            self._inodes[ROOT_INO] = root
+            kv.write({K.inode_key(ROOT_INO): root.pack(),
+                      K.counter_key("next_ino"): K.u64(ROOT_INO)}, sync=True)
+
+    # -- reads -------------------------------------------------------------------
+    def txn(self) -> Txn:
+        return Txn(self)
+
+    def get(self, ino: int) -> Inode | None:
+        return self._inodes.get(ino)
+
+    def child(self, parent: int, name: bytes) -> int | None:
+        return self._children.get(parent, {}).get(name)
+
+    def children(self, parent: int) -> dict[bytes, int]:
+        return self._children.get(parent, {})
+
+    def inodes(self) -> Iterator[Inode]:
+        return iter(list(self._inodes.values()))
+
+    def path_of(self, ino: int) -> str:
+        """The under-storage path ('' for the root) of an inode's current name."""
+        parts = []
+        while ino != ROOT_INO:
+            node = self._inodes[ino]
+            parts.append(node.name.decode("utf-8", "surrogateescape"))
+            ino = node.parent
+        return "/".join(reversed(parts))
+
+    def journal(self) -> list[Entry]:
+        return [self._journal[s] for s in sorted(self._journal)]
+
+    def entry(self, seq: int) -> Entry | None:
+        return self._journal.get(seq)
+
+    def puts_of(self, ino: int) -> list[Entry]:
+        return [self._journal[s] for s in sorted(self._puts_of.get(ino, ()))]
+
+    def gen_pending(self, ino: int, gen: int) -> bool:
+        return any(self._journal[s].gen == gen for s in self._puts_of.get(ino, ()))
+
+    def journal_len(self) -> int:
+        return len(self._journal)
+
+    def last_seq(self) -> int:
+        return self._next_seq
+
+    # -- allocation --------------------------------------------------------------
+    def new_inode(self, txn: Txn, **kw) -> Inode:
+        self._next_ino += 1
+        ino = Inode(ino=self._next_ino, **kw)
+        self._inodes[ino.ino] = ino
+        txn.puts[K.counter_key("next_ino")] = K.u64(self._next_ino)
+        txn.save(ino)
+        return ino
+
+    def close(self) -> None:
+        self.kv.close()

@@ -1,0 +1,251 @@
+"""The node daemon: wires meta, cache, persister, VFS and the mount together.
+
+`acache up` runs one of these per host (in the background); the CLI talks to
+it over a unix socket (acache.node.server); only this process opens RocksDB.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from acache.config import Settings
+from acache.data.cache import CacheDir
+from acache.data.persister import Persister
+from acache.data.under import open_store
+from acache.errors import AcacheError, ConfigError, FlushError
+from acache.fs.vfs import VFS
+from acache.meta.kv_rocks import RocksKV
+from acache.meta.store import MetaStore
+
+log = logging.getLogger("acache.node")
+
+
+def _check_writable(path: Path, what: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".acache-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{what} {path} is not usable: {e.strerror}") from None
+
+
+def clean_stale_mount(path: str) -> bool:
+    """Detach a dead FUSE mount left by a crashed daemon (stat says ENOTCONN)."""
+    try:
+        os.stat(path)
+        return False
+    except OSError as e:
+        if e.errno not in (errno.ENOTCONN, errno.EIO):
+            return False
+    log.warning("%s is a dead mount (the previous daemon died): detaching it", path)
+    os.system(f"fusermount3 -u -z {path!r} 2>/dev/null || umount -l {path!r} 2>/dev/null")
+    return True
+
+
+class Node:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.started = time.time()
+        _check_writable(settings.home, "state directory")
+        _check_writable(settings.cache_path, "cache directory")
+        self.under = open_store(settings.ufs_url, dict(settings.s3))
+        self.under.check()
+        self.kv = RocksKV(str(settings.cache_path / "meta"))
+        self.meta = MetaStore(self.kv)
+        self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
+                              settings.stall_timeout)
+        self.persister = Persister(self.meta, self.cache, self.under, flush_delay=settings.flush_delay,
+                                   concurrency=settings.upload_concurrency)
+        self.vfs = VFS(self.meta, self.cache, self.under, self.persister,
+                       chunk_size=settings.chunk_size, fsync_waits_ufs=settings.fsync_waits_ufs)
+        rec = self.vfs.recover()
+        if any(rec.values()):
+            log.info("recovered after a crash: %s", rec)
+        self.persister.start()
+        self.engine = None
+        self.engine_name = ""
+        self.engine_why = ""
+        self.mountpoint: str | None = None
+        self.stopping = threading.Event()
+        log.info("node up: cache %s (limit %d bytes), under-storage %s, %d journal entries pending",
+                 settings.cache_path, self.cache.limit, settings.ufs_url, self.meta.journal_len())
+
+    # -- the mount ----------------------------------------------------------------------
+    def _choose_engine(self, want: str):
+        want = want or self.settings.engine
+        if want in ("auto", "native"):
+            try:
+                from acache.fs.native import NativeEngine, probe_passthrough
+            except ImportError as e:
+                if want == "native":
+                    raise ConfigError(f"the native engine is not available: {e}") from None
+                return "pyfuse3", f"native engine unavailable ({e})", None
+            ok, why = probe_passthrough(str(self.cache.dir))
+            if ok or want == "native":
+                return "native", why, lambda mp: NativeEngine(self.vfs, mp, passthrough=ok)
+            return "pyfuse3", f"no passthrough ({why}); pyfuse3 is the faster engine without it", None
+        if want == "pyfuse3":
+            return "pyfuse3", "asked for", None
+        raise ConfigError(f"unknown engine {want!r} (auto, native, pyfuse3)")
+
+    def mount(self, path: str, engine: str = "") -> dict:
+        path = os.path.abspath(path)
+        if self.engine is not None:
+            raise ConfigError(f"already mounted at {self.mountpoint}; `acache umount {self.mountpoint}` first")
+        clean_stale_mount(path)
+        if not os.path.isdir(path):
+            raise ConfigError(f"mount point {path} does not exist or is not a directory")
+        if os.path.ismount(path):
+            raise ConfigError(f"{path} is already a mount point")
+        if os.listdir(path):
+            raise ConfigError(f"mount point {path} is not empty")
+        name, why, make = self._choose_engine(engine)
+        if make is None:
+            from acache.fs.pyfuse3_engine import Pyfuse3Engine
+            eng = Pyfuse3Engine(self.vfs, path)
+        else:
+            eng = make(path)
+        try:
+            eng.start()
+        except AcacheError:
+            raise
+        except Exception as e:
+            raise ConfigError(f"mounting {path} failed: {e}") from None
+        self.engine, self.engine_name, self.engine_why, self.mountpoint = eng, name, why, path
+        log.info("mounted %s with the %s engine (%s)%s", path, name, why,
+                 ", kernel passthrough on" if eng.passthrough_active else "")
+        threading.Thread(target=self._watch_mount, args=(eng,), daemon=True).start()
+        return {"mountpoint": path, "engine": name, "why": why, "passthrough": eng.passthrough_active}
+
+    def _watch_mount(self, eng) -> None:
+        eng.wait()
+        if self.engine is eng:
+            log.warning("the mount at %s went away", self.mountpoint)
+            self.engine, self.mountpoint = None, None
+
+    def umount(self, path: str | None = None) -> dict:
+        if self.engine is None:
+            raise ConfigError("nothing is mounted")
+        if path and os.path.abspath(path) != self.mountpoint:
+            raise ConfigError(f"{path} is not the acache mount (that is {self.mountpoint})")
+        eng, mp = self.engine, self.mountpoint
+        self.engine, self.mountpoint = None, None
+        eng.stop()
+        log.info("unmounted %s", mp)
+        return {"unmounted": mp}
+
+    # -- paths ----------------------------------------------------------------------------
+    def rel(self, path: str | None) -> str:
+        """A user path (on the mount) -> an under-storage relative path ('' = all)."""
+        if not path:
+            return ""
+        path = os.path.abspath(path)
+        if self.mountpoint and (path == self.mountpoint or path.startswith(self.mountpoint + "/")):
+            return os.path.relpath(path, self.mountpoint).strip(".").strip("/") \
+                if path != self.mountpoint else ""
+        raise ConfigError(f"{path} is not on the acache mount ({self.mountpoint or 'not mounted'})")
+
+    # -- the barrier ------------------------------------------------------------------------
+    def flush(self, path: str | None, timeout: float | None, progress=None) -> dict:
+        rel = self.rel(path)
+        meta, p = self.meta, self.persister
+        t0 = time.monotonic()
+        with meta.lock:
+            target = meta.last_seq()
+            waiting_open = {ino for ino in self.vfs._wopen
+                            if meta.get(ino) is not None and meta.get(ino).nlink > 0
+                            and self._under(meta.path_of(ino), rel)}
+            extra: set[int] = set()
+        p.hurry(target)
+        for e in meta.journal():    # permanent errors are retried at once when asked
+            if e.seq in p.failed:
+                p.hurry(e.seq)
+        total_bytes = None
+        while True:
+            with meta.lock:
+                for ino in list(waiting_open):
+                    if ino not in self.vfs._wopen or meta.get(ino) is None:
+                        waiting_open.discard(ino)
+                        extra |= {e.seq for e in meta.puts_of(ino)}
+                        p.hurry(meta.last_seq())
+                pending = [e for e in meta.journal()
+                           if (e.seq <= target or e.seq in extra) and e.touches(rel)]
+                failed = [(e, p.failed[e.seq]) for e in pending if e.seq in p.failed]
+                sent = sum(j.sent for j in p.jobs.values() if j.entry in pending)
+                left = sum(e.size for e in pending) - sent
+                if total_bytes is None:
+                    total_bytes = left
+                info = {"bytes_left": max(0, left), "files_left": len(pending),
+                        "open_files": len(waiting_open), "total_bytes": total_bytes,
+                        "rate": p.rate(), "last_error": p.last_error}
+                if not pending and not waiting_open:
+                    return {"ok": True, "seconds": time.monotonic() - t0}
+                if failed and time.monotonic() - t0 > 1.0:
+                    e, msg = failed[0]
+                    raise FlushError(f"{e.op} {e.path} failed: {msg} ({len(pending)} entries not "
+                                     "persisted; the data is kept and retried)")
+                if timeout is not None and time.monotonic() - t0 > timeout:
+                    what = f"{len(pending)} journal entries ({max(0, left)} bytes)"
+                    if waiting_open:
+                        what += f" and {len(waiting_open)} files still open for writing"
+                    raise FlushError(f"timed out after {timeout:g}s: {what} not yet persisted"
+                                     + (f"; last error: {p.last_error}" if p.last_error else ""))
+                p.cond.wait(0.25)
+            if progress is not None:
+                progress(info)
+
+    @staticmethod
+    def _under(path: str, rel: str) -> bool:
+        return not rel or path == rel or path.startswith(rel + "/")
+
+    # -- status ------------------------------------------------------------------------------
+    def status(self, path: str | None = None) -> dict:
+        meta, p, c = self.meta, self.persister, self.cache
+        with meta.lock:
+            journal = meta.journal()
+            dirty_files = sum(1 for n in meta.inodes() if not n.is_dir and self.vfs.state(n) != "persisted")
+            out = {
+                "pid": os.getpid(), "uptime": time.time() - self.started,
+                "mountpoint": self.mountpoint, "engine": self.engine_name,
+                "passthrough": bool(self.engine and self.engine.passthrough_active),
+                "ufs": self.settings.ufs_url, "cache_dir": str(self.settings.cache_path),
+                "cache_used": c.used(), "cache_limit": c.limit, "dirty_bytes": c.dirty_bytes(),
+                "dirty_files": dirty_files, "queue": len(journal),
+                "queue_bytes": sum(e.size for e in journal),
+                "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
+                "persisted_files": p.files_done, "last_error": p.last_error,
+                "failed": len(p.failed), "stalls": c.stalls,
+            }
+            if path is not None:
+                rel = self.rel(path)
+                files = []
+                for n in meta.inodes():
+                    if n.is_dir or n.nlink == 0:
+                        continue
+                    fp = meta.path_of(n.ino)
+                    if self._under(fp, rel):
+                        files.append({"path": fp, "state": self.vfs.state(n),
+                                      "size": self.vfs.attr(n).size})
+                out["files"] = sorted(files, key=lambda f: f["path"])
+        return out
+
+    # -- stop ---------------------------------------------------------------------------------
+    def shutdown(self, flush: bool = True, timeout: float | None = None) -> dict:
+        out = {"flushed": False, "left_dirty": 0}
+        if flush:
+            self.flush(None, timeout)
+            out["flushed"] = True
+        with self.meta.lock:
+            out["left_dirty"] = self.meta.journal_len()
+        if self.engine is not None:
+            self.umount()
+        self.persister.stop()
+        self.meta.close()
+        self.under.close()
+        self.stopping.set()
+        return out
