@@ -1,0 +1,103 @@
+"""Drive a real acache node + FUSE mount from tests: the `acache` CLI in a
+throwaway ACACHE_HOME, an under-storage directory (or any URL), kill -9."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ACACHE = [sys.executable, "-m", "acache.cli"]
+
+
+def fuse_mounts() -> list[str]:
+    with open("/proc/mounts") as f:
+        return [ln.split()[1] for ln in f if ln.split()[2].startswith("fuse")]
+
+
+class AcacheNode:
+    def __init__(self, root: Path, engine: str = "pyfuse3", ufs: str | None = None,
+                 flush_delay: float = 0.2, extra_env: dict | None = None,
+                 config: str | None = None) -> None:
+        self.root = Path(root)
+        self.home = self.root / "home"
+        self.mnt = self.root / "mnt"
+        self.ufs_dir = self.root / "ufs"
+        self.ufs = ufs or f"file://{self.ufs_dir}"
+        self.engine = engine
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ, ACACHE_HOME=str(self.home), ACACHE_FLUSH_DELAY=str(flush_delay),
+                        ACACHE_UFS=self.ufs, ACACHE_ENGINE=engine, **(extra_env or {}))
+        if config is not None:
+            self.home.mkdir(parents=True, exist_ok=True)
+            (self.home / "config.toml").write_text(config)
+
+    # -- the CLI --------------------------------------------------------------------
+    def cli(self, *args: str, check: bool = True, timeout: float = 120,
+            input: str | None = None) -> subprocess.CompletedProcess:
+        p = subprocess.run([*ACACHE, *args], env=self.env, capture_output=True, text=True,
+                           timeout=timeout, input=input)
+        if check and p.returncode != 0:
+            raise AssertionError(f"acache {' '.join(args)} failed ({p.returncode}):\n"
+                                 f"{p.stdout}\n{p.stderr}\n--- log ---\n{self.log_tail()}")
+        return p
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join((self.home / "acache.log").read_text().splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    def start(self) -> "AcacheNode":
+        self.cli("up")
+        self.cli("mount", str(self.mnt))
+        return self
+
+    def flush(self, path: str | None = None, timeout: float = 120) -> None:
+        args = ["flush", "--wait", "--timeout", str(timeout)]
+        if path:
+            args.insert(1, path)
+        self.cli(*args, timeout=timeout + 30)
+
+    def status(self, path: str | None = None) -> dict:
+        args = ["status", "--json"] + ([path] if path else [])
+        return json.loads(self.cli(*args).stdout)
+
+    def pid(self) -> int | None:
+        p = self.cli("status", "--json", check=False)
+        if p.returncode != 0:
+            return None
+        return json.loads(p.stdout)["pid"]
+
+    def kill9(self) -> None:
+        pid = self.pid()
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            for _ in range(100):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
+
+    def restart(self) -> None:
+        """After a crash: up again, mount again on the same (stale) path."""
+        self.cli("up")
+        self.cli("mount", str(self.mnt))
+
+    def stop(self) -> None:
+        """Teardown: stop without flushing, force-detach whatever is left."""
+        self.cli("down", "--no-flush", check=False, timeout=60)
+        self.kill9()
+        subprocess.run(["umount", "-l", str(self.mnt)], capture_output=True)
+
+    def ufs_files(self) -> dict[str, bytes]:
+        """Everything in a file:// under-storage (relative path -> bytes)."""
+        out = {}
+        for p in sorted(self.ufs_dir.rglob("*")):
+            if p.is_file():
+                out[str(p.relative_to(self.ufs_dir))] = p.read_bytes()
+        return out
