@@ -1,0 +1,259 @@
+"""The VFS + journal rules + persister over an in-memory KV and under-store (no mount)."""
+import errno
+import os
+import threading
+import time
+
+import pytest
+
+from acache.data.cache import CacheDir
+from acache.data.persister import Persister
+from acache.data.under.mem import MemState, MemStore
+from acache.errors import FsError, PermanentError
+from acache.fs.types import ROOT_INO, Ctx
+from acache.fs.vfs import VFS
+from acache.meta.kv_mem import MemKV
+from acache.meta.kv_rocks import RocksKV
+from acache.meta.store import MetaStore
+
+CTX = Ctx()
+
+
+class Rig:
+    def __init__(self, tmp, store=None, kv=None, flush_delay=0.0):
+        self.tmp = tmp
+        self.store = store or MemStore("mem://t")
+        self.kv = kv or MemKV()
+        self.meta = MetaStore(self.kv)
+        self.cache = CacheDir(str(tmp / "cache"), 1 << 30, 5)
+        self.p = Persister(self.meta, self.cache, self.store, flush_delay=flush_delay, concurrency=2)
+        self.vfs = VFS(self.meta, self.cache, self.store, self.p, chunk_size=1 << 20)
+        self.recovered = self.vfs.recover()
+        self.p.start()
+
+    def write(self, parent, name, data, fsync=False):
+        fh, attr = self.vfs.create(parent, name, 0o644, os.O_WRONLY, CTX)
+        self.vfs.write(fh, 0, data)
+        if fsync:
+            self.vfs.fsync(fh, False)
+        self.vfs.flush(fh)
+        self.vfs.release(fh)
+        return attr.ino
+
+    def mkdir(self, parent, name):
+        return self.vfs.mkdir(parent, name, 0o755, CTX).ino
+
+    def drain(self, timeout=10):
+        self.p.hurry(self.meta.last_seq())
+        deadline = time.monotonic() + timeout
+        while self.meta.journal_len():
+            assert time.monotonic() < deadline, f"journal not drained: {self.meta.journal()}"
+            time.sleep(0.01)
+
+    def files(self):
+        with self.store.state.lock:
+            return {k: v[0] for k, v in self.store.state.files.items()}
+
+    def touched(self, path):
+        return [c for c in self.store.calls if path in c[1] and c[0] != "read"]
+
+    def stop(self):
+        self.p.stop()
+
+
+@pytest.fixture
+def rig(tmp_path):
+    r = Rig(tmp_path)
+    yield r
+    r.stop()
+
+
+def test_close_persists_in_order(rig):
+    d = rig.mkdir(ROOT_INO, b"ck")
+    for i in range(5):
+        rig.write(d, b"shard%d" % i, b"s" * (1000 * i + 1))
+    rig.write(d, b".metadata", b"meta")
+    rig.drain()
+    commits = [p for op, p in rig.store.calls if op == "commit"]
+    assert commits == [f"ck/shard{i}" for i in range(5)] + ["ck/.metadata"]
+    assert rig.files()["ck/shard3"] == b"s" * 3001
+
+
+def test_rename_of_pending_file_costs_nothing_for_old_name(tmp_path):
+    r = Rig(tmp_path, flush_delay=5)     # nothing starts before the rename
+    try:
+        d = r.mkdir(ROOT_INO, b"ck")
+        r.write(d, b".metadata.tmp", b"new")
+        r.vfs.rename(d, b".metadata.tmp", d, b".metadata", 0)
+        r.drain()
+        assert r.touched(".metadata.tmp") == []
+        assert r.files() == {"ck/.metadata": b"new"}
+    finally:
+        r.stop()
+
+
+def test_rename_moves_commit_after_later_closes(tmp_path):
+    """x.tmp closed before a shard, renamed to the marker after: the marker lands last."""
+    r = Rig(tmp_path, flush_delay=5)
+    try:
+        r.write(ROOT_INO, b"x.tmp", b"marker")
+        r.write(ROOT_INO, b"shard", b"data")
+        r.vfs.rename(ROOT_INO, b"x.tmp", ROOT_INO, b"marker", 0)
+        r.drain()
+        commits = [p for op, p in r.store.calls if op == "commit"]
+        assert commits == ["shard", "marker"]
+    finally:
+        r.stop()
+
+
+def test_delete_cancels_pending_upload(tmp_path):
+    r = Rig(tmp_path, flush_delay=5)
+    try:
+        r.write(ROOT_INO, b"tmpfile", b"x" * 100)
+        r.vfs.unlink(ROOT_INO, b"tmpfile", CTX)
+        r.drain()
+        assert r.touched("tmpfile") == [] and r.files() == {}
+        assert not os.listdir(r.cache.dir)
+    finally:
+        r.stop()
+
+
+def test_delete_of_persisted_file_never_resurrects(rig):
+    rig.write(ROOT_INO, b"f", b"1")
+    rig.drain()
+    rig.vfs.unlink(ROOT_INO, b"f", CTX)
+    rig.drain()
+    assert rig.files() == {}
+
+
+def test_overwrite_of_pending_file_keeps_both_generations_apart(tmp_path):
+    r = Rig(tmp_path, flush_delay=5)
+    try:
+        ino = r.write(ROOT_INO, b"f", b"old" * 1000)
+        fh = r.vfs.open(ino, os.O_WRONLY | os.O_TRUNC)
+        r.vfs.write(fh, 0, b"new")
+        r.vfs.flush(fh)
+        r.vfs.release(fh)
+        r.drain()
+        assert r.files() == {"f": b"new"}
+        assert len([c for c in r.store.calls if c[0] == "commit"]) == 1   # the old one was superseded
+    finally:
+        r.stop()
+
+
+def test_reopen_for_write_during_upload_does_not_touch_staged_bytes(tmp_path):
+    gate = threading.Event()
+    store = MemStore("mem://slow", faults=lambda op, p: gate.wait(5) if op == "stage" else None)
+    r = Rig(tmp_path, store=store)
+    try:
+        ino = r.write(ROOT_INO, b"f", b"A" * 4096)
+        r.p.hurry(r.meta.last_seq())
+        time.sleep(0.2)                                 # staging has started and waits
+        fh = r.vfs.open(ino, os.O_RDWR)
+        r.vfs.write(fh, 0, b"B" * 10)
+        gate.set()
+        r.vfs.flush(fh)
+        r.vfs.release(fh)
+        r.drain()
+        assert r.files()["f"] == b"B" * 10 + b"A" * 4086
+        commits = [p for op, p in store.calls if op == "commit"]
+        assert commits == ["f", "f"]                    # the first version, then the second
+    finally:
+        gate.set()
+        r.stop()
+
+
+def test_dir_rename_of_new_tree_is_free_and_of_persisted_tree_is_one_rename(rig):
+    tmp = rig.mkdir(ROOT_INO, b"tmp-checkpoint-1")
+    rig.p.flush_delay = 5
+    for i in range(3):
+        rig.write(tmp, b"f%d" % i, b"x")
+    rig.vfs.rename(ROOT_INO, b"tmp-checkpoint-1", ROOT_INO, b"checkpoint-1", 0)
+    rig.drain()
+    assert rig.touched("tmp-checkpoint-1") == []
+    assert sorted(rig.files()) == ["checkpoint-1/f0", "checkpoint-1/f1", "checkpoint-1/f2"]
+    rig.vfs.rename(ROOT_INO, b"checkpoint-1", ROOT_INO, b"old-1", 0)
+    rig.drain()
+    assert [c for c in rig.store.calls if c[0] == "rename"] == [("rename", "checkpoint-1 -> old-1")]
+    assert sorted(rig.files()) == ["old-1/f0", "old-1/f1", "old-1/f2"]
+
+
+def test_rename_onto_persisted_target_replaces_it(rig):
+    rig.write(ROOT_INO, b".metadata", b"v1")
+    rig.drain()
+    rig.write(ROOT_INO, b".metadata.tmp", b"v2")
+    rig.vfs.rename(ROOT_INO, b".metadata.tmp", ROOT_INO, b".metadata", 0)
+    rig.drain()
+    assert rig.files() == {".metadata": b"v2"}
+
+
+def test_transient_errors_are_retried(rig):
+    rig.store.fail_next(3, ops="commit")
+    rig.write(ROOT_INO, b"f", b"data")
+    rig.drain(timeout=20)
+    assert rig.files() == {"f": b"data"}
+
+
+def test_permanent_error_is_reported_and_data_kept(rig):
+    rig.store.fail_next(1, PermanentError("AccessDenied"), ops="commit")
+    ino = rig.write(ROOT_INO, b"f", b"data")
+    rig.p.hurry(rig.meta.last_seq())
+    deadline = time.monotonic() + 5
+    while not rig.p.failed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "AccessDenied" in rig.p.last_error
+    assert rig.vfs.getxattr(ino, b"user.acache.state") == b"failed"
+    rig.drain()                                  # hurry() retries it at once: now it works
+    assert rig.files() == {"f": b"data"} and rig.p.last_error == ""
+
+
+def test_unknown_xattr_is_enodata_and_ours_is_read_only(rig):
+    ino = rig.write(ROOT_INO, b"f", b"x")
+    with pytest.raises(FsError) as e:
+        rig.vfs.getxattr(ino, b"user.other")
+    assert e.value.errno == errno.ENODATA
+    with pytest.raises(FsError) as e:
+        rig.vfs.setxattr(ino, b"user.acache.state", b"persisted")
+    assert e.value.errno == errno.EPERM
+
+
+def test_crash_with_open_dirty_file_persists_it_after_restart(tmp_path):
+    state = MemState()
+    kv = RocksKV(str(tmp_path / "db"))
+    r = Rig(tmp_path, store=MemStore("mem://c", state=state), kv=kv, flush_delay=60)
+    r.write(ROOT_INO, b"closed", b"c" * 100)
+    fh, attr = r.vfs.create(ROOT_INO, b"open", 0o644, os.O_WRONLY, CTX)
+    r.vfs.write(fh, 0, b"o" * 50)
+    r.vfs.fsync(fh, False)
+    r.p._stop = True                       # "kill -9": no flush, no clean shutdown
+    kv.close()
+    kv2 = RocksKV(str(tmp_path / "db"))
+    r2 = Rig(tmp_path, store=MemStore("mem://c", state=state), kv=kv2)
+    try:
+        assert r2.recovered["reopened"] == 1
+        r2.drain()
+        assert r2.files() == {"closed": b"c" * 100, "open": b"o" * 50}
+    finally:
+        r2.stop()
+        kv2.close()
+
+
+def test_read_through_fetches_in_large_chunks(tmp_path):
+    state = MemState()
+    blob = os.urandom(5 << 20)
+    state.files["big"] = (blob, time.time())
+    r = Rig(tmp_path, store=MemStore("mem://rt", state=state))
+    try:
+        attr = r.vfs.lookup(ROOT_INO, b"big", CTX)
+        assert attr.size == len(blob)
+        fh = r.vfs.open(attr.ino, os.O_RDONLY)
+        import random
+        rnd = random.Random(1)
+        for _ in range(1000):
+            off = rnd.randrange(0, len(blob) - 4096)
+            assert r.vfs.read(fh, off, 4096) == blob[off:off + 4096]
+        r.vfs.release(fh)
+        reads = [c for c in r.store.calls if c[0] == "read"]
+        assert len(reads) <= 5, reads                 # 5 chunks of 1 MiB, each fetched once
+    finally:
+        r.stop()
