@@ -7,7 +7,6 @@
     engine      = auto | native | pyfuse3
     flush_delay = 1.0 s before a closed file starts persisting
     stall_timeout = 300 s a writer waits for dirty space before ENOSPC
-    fsync_waits_ufs = false: fsync durable on the cache tier only
     chunk_size  = 8 MiB read-through fetch unit
     upload_concurrency = 4 files staged in parallel
     [s3] endpoint, region, access_key, secret_key, addressing, part_size, concurrency
@@ -56,7 +55,6 @@ class Settings:
     engine: str = "auto"
     flush_delay: float = 1.0
     stall_timeout: float = 300.0
-    fsync_waits_ufs: bool = False
     chunk_size: int = 8 << 20
     upload_concurrency: int = 4
     log_level: str = "INFO"
@@ -98,7 +96,6 @@ _CASTS = {
     "cache_size": lambda v: None if str(v) == "auto" else parse_size(v, "cache_size"),
     "flush_delay": float, "stall_timeout": float, "upload_concurrency": int,
     "chunk_size": lambda v: parse_size(v, "chunk_size"),
-    "fsync_waits_ufs": lambda v: v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes"),
 }
 
 

@@ -64,7 +64,7 @@ class Persister:
         self.last_error = ""
         self.bytes_done = 0
         self.files_done = 0
-        self._rate = deque(maxlen=64)           # (time, bytes_done)
+        self._rate: deque = deque(maxlen=4096)  # (time, bytes_done) after each commit
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="acache-persister", daemon=True)
 
@@ -113,12 +113,15 @@ class Persister:
                     self._retry_at[s] = 0.0
             self.cond.notify_all()
 
-    def rate(self) -> float:
-        """Bytes per second over the last minute or so."""
-        if len(self._rate) < 2:
-            return 0.0
-        (t0, b0), (t1, b1) = self._rate[0], self._rate[-1]
-        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+    def rate(self, window: float = 10.0) -> float:
+        """Bytes per second persisted over the last ``window`` seconds."""
+        now = time.monotonic()
+        before = 0
+        for t, b in self._rate:        # the total as it stood when the window opened
+            if t >= now - window:
+                break
+            before = b
+        return (self.bytes_done - before) / window
 
     def in_flight(self) -> list[Job]:
         with self.lock:

@@ -34,11 +34,10 @@ def _now() -> int:
 
 class VFS(FileOps):
     def __init__(self, meta: MetaStore, cache: CacheDir, under: UnderStore, persister: Persister,
-                 *, chunk_size: int = 8 << 20, fsync_waits_ufs: bool = False) -> None:
+                 *, chunk_size: int = 8 << 20) -> None:
         self.meta, self.cache, self.under, self.persister = meta, cache, under, persister
         self.lock = meta.lock
         self.fetch = ReadThrough(under, chunk_size)
-        self.fsync_waits_ufs = fsync_waits_ufs
         self._init_files()
         self._lookups: dict[int, int] = {}
         self._dirs: dict[int, tuple[int, list]] = {}

@@ -62,7 +62,7 @@ class Node:
         self.persister = Persister(self.meta, self.cache, self.under, flush_delay=settings.flush_delay,
                                    concurrency=settings.upload_concurrency)
         self.vfs = VFS(self.meta, self.cache, self.under, self.persister,
-                       chunk_size=settings.chunk_size, fsync_waits_ufs=settings.fsync_waits_ufs)
+                       chunk_size=settings.chunk_size)
         rec = self.vfs.recover()
         if any(rec.values()):
             log.info("recovered after a crash: %s", rec)
