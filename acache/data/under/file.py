@@ -21,11 +21,13 @@ stat hide them.
 OSErrors leave as PermanentError when retrying cannot help until someone acts
 (EACCES, EPERM, EROFS, ENOSPC, EDQUOT and the namespace conflicts ENOTDIR,
 EISDIR, ENOTEMPTY, EEXIST...), TransientError otherwise (EIO, ESTALE, ...).
-Reading a missing file raises ``FsError(ENOENT)``.
+Reading a missing file (or a directory) raises ``NotFoundError`` (a PermanentError
+with errno ENOENT), in every store.
 """
 from __future__ import annotations
 
 import errno
+from errno import ENOENT
 import os
 import stat as _stat
 import uuid
@@ -34,8 +36,7 @@ from typing import Callable, Iterator
 from urllib.parse import unquote, urlsplit
 
 from acache.data.under.base import UEntry
-from acache.errors import (ConfigError, FsError, PermanentError, TransientError,
-                           UnderStoreError)
+from acache.errors import ConfigError, PermanentError, TransientError, UnderStoreError
 
 TMP_PREFIX = ".acache-tmp."
 CHUNK = 4 << 20  # bytes copied per call (and per progress report)
@@ -48,6 +49,12 @@ _PERMANENT_ERRNOS = frozenset({
 # copy_file_range / sendfile not possible here: fall back to the next method
 _NO_FAST_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP,
                            errno.EINVAL, errno.EBADF, errno.ENOTSUP})
+
+
+class NotFoundError(PermanentError):
+    """read() of a missing file.  An UnderStoreError (callers retrying a read after a
+    rename catch it as one) whose errno is ENOENT (the FUSE edge answers that)."""
+    errno = ENOENT
 
 
 def clean_path(path: str, what: str = "path") -> str:
@@ -242,14 +249,14 @@ class FileStore:
             try:
                 fd = os.open(self._abs(path), os.O_RDONLY | os.O_CLOEXEC)
             except (FileNotFoundError, NotADirectoryError):
-                raise FsError(errno.ENOENT, f"file://{self.root}: no file {path!r}") from None
+                raise NotFoundError(f"file://{self.root}: no file {path!r}") from None
             try:
                 chunks, got = [], 0
                 while got < length:
                     try:
                         buf = os.pread(fd, length - got, offset + got)
                     except IsADirectoryError:
-                        raise FsError(errno.EISDIR, f"{path!r} is a directory") from None
+                        raise NotFoundError(f"file://{self.root}: {path!r} is a directory") from None
                     if not buf:
                         break
                     chunks.append(buf)

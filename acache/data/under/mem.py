@@ -22,15 +22,14 @@ delete mkdir rmdir.
 """
 from __future__ import annotations
 
-import errno
 import threading
 import time
 import uuid
 from typing import Callable, Iterator
 
 from acache.data.under.base import UEntry
-from acache.data.under.file import CHUNK, clean_path, name_of, parent_of
-from acache.errors import ConfigError, FsError, PermanentError, TransientError
+from acache.data.under.file import CHUNK, NotFoundError, clean_path, name_of
+from acache.errors import ConfigError, PermanentError, TransientError
 
 
 class MemState:
@@ -167,7 +166,7 @@ class MemStore:
         with self.state.lock:
             ent = self.state.files.get(path)
         if ent is None:
-            raise FsError(errno.ENOENT, f"mem:// no file {path!r}")
+            raise NotFoundError(f"mem:// no file {path!r}")
         return ent[0][offset:offset + max(length, 0)]
 
     def new_token(self, path: str) -> str:

@@ -44,7 +44,6 @@ couple of quick HTTP retries; short timeouts make an outage surface quickly.
 from __future__ import annotations
 
 import base64
-import errno
 import hashlib
 import os
 import ssl
@@ -64,9 +63,8 @@ from minio.error import InvalidResponseError, S3Error, ServerError
 from minio.helpers import MAX_PART_SIZE, check_bucket_name
 
 from acache.data.under.base import UEntry
-from acache.data.under.file import clean_path, name_of
-from acache.errors import (ConfigError, FsError, PermanentError, TransientError,
-                           UnderStoreError)
+from acache.data.under.file import NotFoundError, clean_path, name_of
+from acache.errors import ConfigError, PermanentError, TransientError, UnderStoreError
 
 MiB = 1 << 20
 MIN_PART = 5 * MiB
@@ -256,7 +254,10 @@ class S3Store:
         except ValueError as e:
             raise ConfigError(f"bad s3:// URL {url!r}: {e}") from e
         prefix = parts.path.strip("/")
-        clean_path(prefix, "prefix")
+        try:
+            clean_path(prefix, "prefix")
+        except PermanentError as e:
+            raise ConfigError(f"bad s3:// URL {url!r}: {e}") from e
         self.prefix = prefix + "/" if prefix else ""
         o = resolve_options(options)
         self.part_size, self.concurrency = o["part_size"], o["concurrency"]
@@ -295,7 +296,7 @@ class S3Store:
     def _errors(self, op: str, key: str = ""):
         try:
             yield
-        except (UnderStoreError, FsError):
+        except UnderStoreError:
             raise
         except Exception as e:
             err = translate(e, f"s3 {op} s3://{self.bucket}/{key} at {self.endpoint}")
@@ -390,7 +391,8 @@ class S3Store:
                 resp = self.client.get_object(self.bucket, key, offset=offset, length=length)
             except S3Error as e:
                 if e.code in ("NoSuchKey", "NotFound"):
-                    raise FsError(errno.ENOENT, f"s3://{self.bucket}/{key}: no such object")
+                    raise NotFoundError(f"s3 read s3://{self.bucket}/{key} at {self.endpoint}: "
+                                        "no such object") from None
                 if e.code == "InvalidRange":
                     return b""
                 raise
