@@ -1,0 +1,3 @@
+from acache.bench.main import main
+
+main()
