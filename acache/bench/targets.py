@@ -223,6 +223,8 @@ class RcloneTarget:
         self.mnt.mkdir(parents=True, exist_ok=True)
         self.rc_port = free_port()
         env = dict(os.environ, **self.s3.rclone_env(self.remote))
+        env.pop("AWS_CA_BUNDLE", None)   # rclone's AWS SDK fails on it ("unsupported transport");
+        #                                  the server is plain http on 127.0.0.1 anyway
         log = open(self.root / "rclone.log", "ab")
         self.proc = owned.spawn(
             ["rclone", "mount", f"{self.remote}:{self.s3.bucket}/{self.prefix}", str(self.mnt),
@@ -239,7 +241,11 @@ class RcloneTarget:
             self.note = str(e)
             return False
         if self.proc.poll() is not None:
-            self.note = f"rclone exited ({self.proc.returncode}); see {self.root / 'rclone.log'}"
+            try:
+                tail = (self.root / "rclone.log").read_text(errors="replace").strip().splitlines()[-1]
+            except (OSError, IndexError):
+                tail = ""
+            self.note = f"rclone exited ({self.proc.returncode}): {tail}"
             return False
         return True
 
