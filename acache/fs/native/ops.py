@@ -1,0 +1,401 @@
+"""FUSE request handlers: decode the request, call the VFS, encode the reply.
+
+Each handler is a few lines; errors are translated by the session.  Bookkeeping that the
+kernel protocol needs and the VFS does not know about (per-inode io mode and backing ids,
+whether an inode may be open for writing, readdir continuation) lives in ``OpenTable``
+and here; lookup counts and handles live in the VFS.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import threading
+
+from acache.errors import FsError
+from acache.fs.native import proto
+from acache.fs.native.passthrough import OpenTable
+from acache.fs.native.session import NO_REPLY, Reply, Request
+from acache.fs.types import RENAME_EXCHANGE, RENAME_NOREPLACE, UTIME_NOW, Attr
+
+FALLOC_FL_KEEP_SIZE = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _name(body: memoryview) -> bytes:
+    data = bytes(body)
+    end = data.find(b"\0")
+    return data if end < 0 else data[:end]
+
+
+def _writable(flags: int) -> bool:
+    return (flags & os.O_ACCMODE) != os.O_RDONLY or bool(flags & os.O_TRUNC)
+
+
+class Ops:
+    def __init__(self, vfs, table: OpenTable, *, entry_timeout: float = 1.0,
+                 attr_timeout: float = 1.0):
+        self.vfs = vfs
+        self.table = table
+        self.entry_timeout = entry_timeout
+        self.attr_timeout = attr_timeout
+        self._fsyncdir = getattr(vfs, "fsyncdir", None)     # optional VFS capability
+        self._dirs: dict[int, tuple[int, list]] = {}        # fh -> (next vfs offset, rest)
+        self._dirs_lock = threading.Lock()
+        self._open_dirs: set[int] = set()
+        p = proto
+        self.handlers = {
+            p.LOOKUP: self.lookup, p.FORGET: self.forget, p.BATCH_FORGET: self.batch_forget,
+            p.GETATTR: self.getattr, p.SETATTR: self.setattr, p.MKDIR: self.mkdir,
+            p.MKNOD: self.mknod, p.CREATE: self.create, p.OPEN: self.open, p.READ: self.read,
+            p.WRITE: self.write, p.FLUSH: self.flush, p.RELEASE: self.release,
+            p.FSYNC: self.fsync, p.OPENDIR: self.opendir, p.READDIR: self.readdir,
+            p.READDIRPLUS: self.readdirplus, p.RELEASEDIR: self.releasedir,
+            p.FSYNCDIR: self.fsyncdir, p.UNLINK: self.unlink, p.RMDIR: self.rmdir,
+            p.RENAME: self.rename, p.RENAME2: self.rename2, p.STATFS: self.statfs,
+            p.GETXATTR: self.getxattr, p.LISTXATTR: self.listxattr,
+            p.SETXATTR: self.setxattr, p.REMOVEXATTR: self.removexattr,
+            p.ACCESS: self.access, p.FALLOCATE: self.fallocate, p.DESTROY: self.destroy,
+            p.IOCTL: self._error(errno.ENOTTY), p.SYMLINK: self._error(errno.EPERM),
+            p.LINK: self._error(errno.EPERM), p.READLINK: self._error(errno.EINVAL),
+            # LSEEK, POLL, BMAP, COPY_FILE_RANGE, STATX, TMPFILE, ...: ENOSYS (no handler)
+        }
+
+    @staticmethod
+    def _error(err: int):
+        def handler(req: Request):
+            raise FsError(err)
+        return handler
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _attr_valid(self, a: Attr) -> float:
+        # A file open for writing changes size underneath us (passthrough writes go
+        # straight to the cache file): never let the kernel cache its attributes.
+        if stat.S_ISREG(a.mode) and self.table.may_be_writing(a.ino):
+            return 0.0
+        return self.attr_timeout
+
+    def _entry(self, a: Attr) -> bytes:
+        return proto.pack_entry(a, self.entry_timeout, self._attr_valid(a))
+
+    def _forget_one(self, ino: int):
+        return lambda: self.vfs.forget([(ino, 1)])
+
+    def _open_reply(self, ino: int, fh: int, flags: int) -> bytes:
+        open_flags, backing_id = self.table.open(ino, fh, _writable(flags),
+                                                 lambda: self.vfs.passthrough_fd(fh))
+        return proto.OPEN_OUT.pack(fh, open_flags, backing_id)
+
+    def _undo_open(self, fh: int, ino: int | None = None):
+        def undo():
+            self.table.release(fh)
+            self.vfs.release(fh)
+            if ino is not None:
+                self.vfs.forget([(ino, 1)])
+        return undo
+
+    # --- names -----------------------------------------------------------------------------
+
+    def lookup(self, req: Request):
+        a = self.vfs.lookup(req.nodeid, _name(req.body), req.ctx())
+        return Reply(self._entry(a), self._forget_one(a.ino))
+
+    def forget(self, req: Request):
+        self.vfs.forget([(req.nodeid, proto.FORGET_IN.unpack_from(req.body)[0])])
+        return NO_REPLY
+
+    def batch_forget(self, req: Request):
+        count = proto.BATCH_FORGET_IN.unpack_from(req.body)[0]
+        off = proto.BATCH_FORGET_IN.size
+        items = [proto.FORGET_ONE.unpack_from(req.body, off + i * proto.FORGET_ONE.size)
+                 for i in range(count)]
+        if items:
+            self.vfs.forget(items)
+        return NO_REPLY
+
+    def mkdir(self, req: Request):
+        mode, umask = proto.MKDIR_IN.unpack_from(req.body)
+        name = _name(req.body[proto.MKDIR_IN.size:])
+        a = self.vfs.mkdir(req.nodeid, name, mode, req.ctx(umask))
+        return Reply(self._entry(a), self._forget_one(a.ino))
+
+    def mknod(self, req: Request):
+        mode, _rdev, umask, _ = proto.MKNOD_IN.unpack_from(req.body)
+        if not stat.S_ISREG(mode):
+            raise FsError(errno.EPERM)
+        name = _name(req.body[proto.MKNOD_IN.size:])
+        fh, a = self.vfs.create(req.nodeid, name, mode, os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+                                req.ctx(umask))
+        self.vfs.release(fh)
+        return Reply(self._entry(a), self._forget_one(a.ino))
+
+    def unlink(self, req: Request):
+        self.vfs.unlink(req.nodeid, _name(req.body), req.ctx())
+        return b""
+
+    def rmdir(self, req: Request):
+        self.vfs.rmdir(req.nodeid, _name(req.body), req.ctx())
+        return b""
+
+    def _rename(self, req: Request, newdir: int, flags: int, names: memoryview):
+        old, new = proto.split_names(names, 2)
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE):
+            raise FsError(errno.EINVAL)          # RENAME_WHITEOUT and the unknown
+        self.vfs.rename(req.nodeid, old, newdir, new, flags, req.ctx())
+        return b""
+
+    def rename(self, req: Request):
+        newdir = proto.RENAME_IN.unpack_from(req.body)[0]
+        return self._rename(req, newdir, 0, req.body[proto.RENAME_IN.size:])
+
+    def rename2(self, req: Request):
+        newdir, flags, _ = proto.RENAME2_IN.unpack_from(req.body)
+        return self._rename(req, newdir, flags, req.body[proto.RENAME2_IN.size:])
+
+    # --- attributes ------------------------------------------------------------------------
+
+    def getattr(self, req: Request):
+        flags, _, fh = proto.GETATTR_IN.unpack_from(req.body)
+        a = self.vfs.getattr(req.nodeid, fh if flags & proto.GETATTR_FH else None)
+        return proto.pack_attr_out(a, self._attr_valid(a))
+
+    def setattr(self, req: Request):
+        (valid, _, fh, size, _lock, atime, mtime, _ctime, atimens, mtimens, _ctimens,
+         mode, _, uid, gid, _) = proto.SETATTR_IN.unpack_from(req.body)
+        kw = {}
+        if valid & proto.FATTR_MODE:
+            kw["mode"] = mode
+        if valid & proto.FATTR_UID:
+            kw["uid"] = uid
+        if valid & proto.FATTR_GID:
+            kw["gid"] = gid
+        if valid & proto.FATTR_SIZE:
+            kw["size"] = size
+        if valid & proto.FATTR_ATIME_NOW:
+            kw["atime_ns"] = UTIME_NOW
+        elif valid & proto.FATTR_ATIME:
+            kw["atime_ns"] = atime * 1_000_000_000 + atimens
+        if valid & proto.FATTR_MTIME_NOW:
+            kw["mtime_ns"] = UTIME_NOW
+        elif valid & proto.FATTR_MTIME:
+            kw["mtime_ns"] = mtime * 1_000_000_000 + mtimens
+        a = self.vfs.setattr(req.nodeid, req.ctx(),
+                             fh=fh if valid & proto.FATTR_FH else None, **kw)
+        return proto.pack_attr_out(a, self._attr_valid(a))
+
+    def statfs(self, req: Request):
+        return proto.pack_statfs(self.vfs.statfs())
+
+    def access(self, req: Request):
+        return b""           # default_permissions: the kernel checks modes itself
+
+    # --- xattrs ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _sized(data: bytes, size: int):
+        if size == 0:
+            return proto.GETXATTR_OUT.pack(len(data), 0)
+        if len(data) > size:
+            raise FsError(errno.ERANGE)
+        return data
+
+    def getxattr(self, req: Request):
+        size = proto.GETXATTR_IN.unpack_from(req.body)[0]
+        name = _name(req.body[proto.GETXATTR_IN.size:])
+        return self._sized(self.vfs.getxattr(req.nodeid, name), size)
+
+    def listxattr(self, req: Request):
+        size = proto.GETXATTR_IN.unpack_from(req.body)[0]
+        names = self.vfs.listxattr(req.nodeid)
+        return self._sized(b"".join(n + b"\0" for n in names), size)
+
+    def setxattr(self, req: Request):
+        size, flags = proto.SETXATTR_IN.unpack_from(req.body)
+        rest = bytes(req.body[proto.SETXATTR_IN.size:])
+        end = rest.index(b"\0")
+        self.vfs.setxattr(req.nodeid, rest[:end], rest[end + 1:end + 1 + size], flags)
+        return b""
+
+    def removexattr(self, req: Request):
+        self.vfs.removexattr(req.nodeid, _name(req.body))
+        return b""
+
+    # --- files -----------------------------------------------------------------------------
+
+    def create(self, req: Request):
+        flags, mode, umask, _ = proto.CREATE_IN.unpack_from(req.body)
+        name = _name(req.body[proto.CREATE_IN.size:])
+        fh, a = self.vfs.create(req.nodeid, name, mode, flags, req.ctx(umask))
+        try:
+            open_out = self._open_reply(a.ino, fh, flags)
+        except BaseException:
+            self._undo_open(fh, a.ino)()
+            raise
+        return Reply([self._entry(a), open_out], self._undo_open(fh, a.ino))
+
+    def open(self, req: Request):
+        flags = proto.OPEN_IN.unpack_from(req.body)[0]
+        fh = self.vfs.open(req.nodeid, flags, req.ctx())
+        try:
+            out = self._open_reply(req.nodeid, fh, flags)
+        except BaseException:
+            self._undo_open(fh)()
+            raise
+        return Reply(out, self._undo_open(fh))
+
+    def read(self, req: Request):
+        fh, offset, size = proto.READ_IN.unpack_from(req.body)[:3]
+        return self.vfs.read(fh, offset, size)
+
+    def write(self, req: Request):
+        fh, offset, size = proto.WRITE_IN.unpack_from(req.body)[:3]
+        start = proto.WRITE_IN.size
+        n = self.vfs.write(fh, offset, req.body[start:start + size])
+        return proto.WRITE_OUT.pack(n, 0)
+
+    def flush(self, req: Request):
+        self.vfs.flush(proto.FLUSH_IN.unpack_from(req.body)[0])
+        return b""
+
+    def release(self, req: Request):
+        fh = proto.RELEASE_IN.unpack_from(req.body)[0]
+        try:
+            self.vfs.release(fh)
+        finally:
+            self.table.release(fh)
+        return b""
+
+    def fsync(self, req: Request):
+        fh, flags, _ = proto.FSYNC_IN.unpack_from(req.body)
+        self.vfs.fsync(fh, bool(flags & proto.FSYNC_FDATASYNC))
+        return b""
+
+    def fallocate(self, req: Request):
+        """The kernel does not pass fallocate through; for a passthrough open it is done
+        on the cache file (like a write would be).  Others get EOPNOTSUPP, never ENOSYS:
+        that would disable fallocate for the whole mount."""
+        fh, offset, length, mode, _ = proto.FALLOCATE_IN.unpack_from(req.body)
+        fd = self.vfs.passthrough_fd(fh) if self.table.is_passthrough(fh) else None
+        if fd is None or mode & ~FALLOC_FL_KEEP_SIZE:
+            raise FsError(errno.EOPNOTSUPP)
+        if _libc.fallocate(fd, mode, offset, length) != 0:
+            raise FsError(ctypes.get_errno())
+        return b""
+
+    # --- directories -----------------------------------------------------------------------
+
+    def opendir(self, req: Request):
+        fh = self.vfs.opendir(req.nodeid, req.ctx())
+        with self._dirs_lock:
+            self._open_dirs.add(fh)
+
+        def undo():
+            with self._dirs_lock:
+                self._open_dirs.discard(fh)
+            self.vfs.releasedir(fh)
+        return Reply(proto.OPEN_OUT.pack(fh, 0, 0), undo)
+
+    def releasedir(self, req: Request):
+        fh = proto.RELEASE_IN.unpack_from(req.body)[0]
+        with self._dirs_lock:
+            self._dirs.pop(fh, None)
+            self._open_dirs.discard(fh)
+        self.vfs.releasedir(fh)
+        return b""
+
+    def fsyncdir(self, req: Request):
+        if self._fsyncdir is not None:
+            fh, flags, _ = proto.FSYNC_IN.unpack_from(req.body)
+            self._fsyncdir(fh, bool(flags & proto.FSYNC_FDATASYNC))
+        return b""
+
+    def _listing(self, req: Request):
+        """(name, attr|None, ino, mode, cookie) from the request's offset.  Cookies 1 and
+        2 are '.' and '..'; a VFS offset o is cookie o + 2."""
+        fh, offset, size = proto.READ_IN.unpack_from(req.body)[:3]
+        dots = []
+        if offset == 0:
+            dots.append((b".", None, req.nodeid, stat.S_IFDIR, 1))
+        if offset <= 1:
+            dots.append((b"..", None, req.nodeid, stat.S_IFDIR, 2))
+        voff = max(offset - 2, 0)
+        with self._dirs_lock:
+            cached = self._dirs.get(fh)
+        if cached is not None and cached[0] == voff and voff != 0:
+            entries = cached[1]
+        else:
+            entries = self.vfs.readdir(fh, voff)
+        return fh, size, dots, entries
+
+    def _remember(self, fh: int, entries: list, used: int) -> None:
+        if used:
+            with self._dirs_lock:
+                self._dirs[fh] = (entries[used - 1][2], entries[used:])
+
+    def readdir(self, req: Request):
+        fh, size, dots, entries = self._listing(req)
+        out, total = [], 0
+        for name, _a, ino, mode, cookie in dots:
+            rec = proto.pack_dirent(ino, cookie, name, mode)
+            out.append(rec)
+            total += len(rec)
+        used = 0
+        for name, a, next_off in entries:
+            rec = proto.pack_dirent(a.ino, next_off + 2, name, a.mode)
+            if total + len(rec) > size:
+                break
+            out.append(rec)
+            total += len(rec)
+            used += 1
+        self._remember(fh, entries, used)
+        return out
+
+    def readdirplus(self, req: Request):
+        fh, size, dots, entries = self._listing(req)
+        out, total = [], 0
+        for name, _a, ino, mode, cookie in dots:
+            rec = (proto.pack_entry(None, 0, 0) + proto.pack_dirent(ino, cookie, name, mode))
+            out.append(rec)
+            total += len(rec)
+        given: list[tuple[int, int]] = []
+        try:
+            for name, a, next_off in entries:
+                rec = self._entry(a) + proto.pack_dirent(a.ino, next_off + 2, name, a.mode)
+                if total + len(rec) > size:
+                    break
+                self.vfs.incref(a.ino)          # the kernel takes a lookup reference
+                given.append((a.ino, 1))
+                out.append(rec)
+                total += len(rec)
+        except BaseException:
+            if given:
+                self.vfs.forget(given)
+            raise
+        self._remember(fh, entries, len(given))
+        return Reply(out, (lambda: self.vfs.forget(given)) if given else None)
+
+    def destroy(self, req: Request):
+        return b""
+
+    # --- shutdown --------------------------------------------------------------------------
+
+    def release_all(self) -> None:
+        """The connection is gone: release what the kernel will never RELEASE now."""
+        for fh in self.table.open_handles():
+            try:
+                self.vfs.release(fh)
+            except Exception:
+                pass
+            self.table.release(fh)
+        with self._dirs_lock:
+            dirs = list(self._open_dirs)
+            self._open_dirs.clear()
+            self._dirs.clear()
+        for fh in dirs:
+            try:
+                self.vfs.releasedir(fh)
+            except Exception:
+                pass

@@ -1,0 +1,258 @@
+"""Kernel FUSE passthrough: backing ids, the per-inode io mode, and the capability probe.
+
+Rules the kernel enforces (fs/fuse/iomode.c), which shape ``OpenTable``:
+
+- all passthrough opens of one inode must name the *same* backing (another id: EBUSY);
+- while an inode has a passthrough open, every new open must be passthrough too, and while
+  it has a page-cache (daemon-served) open, a passthrough open fails (ETXTBSY); the kernel
+  turns both into EIO for the opener;
+- FOPEN_PASSTHROUGH never goes with FOPEN_KEEP_CACHE (EIO);
+- BACKING_OPEN needs CAP_SYS_ADMIN and a connection that negotiated passthrough (EPERM),
+  and the backing file's stacking depth below max_stack_depth (ELOOP).
+
+The kernel drops its side of an open at close(2), before RELEASE reaches us, so our counts
+are never below the kernel's: reusing the backing id while our count is > 0 is always valid.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import struct
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from acache.fs.native import mount as _mount
+from acache.fs.native import proto
+
+log = logging.getLogger("acache.fs.native")
+
+CAP_SYS_ADMIN = 21
+STACKED_FS_MAGIC = {
+    0x794C7630: "overlayfs",
+    0xF15F: "ecryptfs",
+    0x65735546: "fuse",
+}
+
+
+def backing_open(devfd: int, fd: int) -> int:
+    """Register ``fd`` with the kernel; returns the backing id (raises OSError)."""
+    arg = bytearray(proto.BACKING_MAP.pack(fd, 0, 0))
+    return fcntl.ioctl(devfd, proto.DEV_IOC_BACKING_OPEN, arg, True)
+
+
+def backing_close(devfd: int, backing_id: int) -> None:
+    arg = bytearray(struct.pack("<I", backing_id))
+    fcntl.ioctl(devfd, proto.DEV_IOC_BACKING_CLOSE, arg, True)
+
+
+def connection_has_passthrough(devfd: int) -> bool:
+    """Did INIT really enable passthrough?  The kernel may silently refuse it (e.g. when
+    the writeback cache was also asked for).  BACKING_OPEN of fd -1 answers without side
+    effects: EPERM when passthrough is off, EBADF when it is on."""
+    try:
+        backing_close(devfd, backing_open(devfd, -1))
+    except OSError as e:
+        return e.errno == errno.EBADF
+    return True
+
+
+@dataclass
+class _InodeIO:
+    backing_id: int | None = None
+    passthrough_opens: int = 0
+    cached_opens: int = 0
+    write_opens: int = 0
+
+
+@dataclass
+class _Handle:
+    ino: int
+    writable: bool
+    passthrough: bool
+
+
+class OpenTable:
+    """Open file handles per inode: which io mode each open got, shared backing ids (one
+    per inode, closed at the inode's last RELEASE), and whether an inode may be open for
+    writing (its attributes must then not be cached)."""
+
+    def __init__(self, devfd: int, passthrough: bool):
+        self._devfd = devfd
+        self.passthrough = passthrough
+        self._lock = threading.Lock()
+        self._inodes: dict[int, _InodeIO] = {}
+        self._handles: dict[int, _Handle] = {}
+        self._warned: set[int] = set()
+
+    def open(self, ino: int, fh: int, writable: bool,
+             passthrough_fd: Callable[[], int | None]) -> tuple[int, int]:
+        """Record an open; returns (fuse open_flags, backing_id) for the OPEN reply."""
+        fd = passthrough_fd() if self.passthrough else None
+        with self._lock:
+            io = self._inodes.setdefault(ino, _InodeIO())
+            use_pt = False
+            if io.backing_id is not None:
+                use_pt = True           # the kernel insists on the inode's backing
+            elif fd is not None and io.cached_opens == 0:
+                try:
+                    io.backing_id = backing_open(self._devfd, fd)
+                    use_pt = True
+                except OSError as e:
+                    if e.errno not in self._warned:
+                        self._warned.add(e.errno)
+                        log.warning("FUSE passthrough refused for ino %d (%s); serving such "
+                                    "opens through the daemon", ino, os.strerror(e.errno))
+            if use_pt:
+                io.passthrough_opens += 1
+            else:
+                io.cached_opens += 1
+            io.write_opens += writable
+            self._handles[fh] = _Handle(ino, writable, use_pt)
+            if use_pt:
+                return proto.FOPEN_PASSTHROUGH, io.backing_id
+            return 0, 0
+
+    def release(self, fh: int) -> None:
+        """Forget an open; closes the inode's backing id with its last passthrough open."""
+        with self._lock:
+            h = self._handles.pop(fh, None)
+            if h is None:
+                return
+            io = self._inodes[h.ino]
+            io.write_opens -= h.writable
+            if h.passthrough:
+                io.passthrough_opens -= 1
+                if io.passthrough_opens == 0 and io.backing_id is not None:
+                    self._close(io.backing_id)
+                    io.backing_id = None
+            else:
+                io.cached_opens -= 1
+            if not (io.passthrough_opens or io.cached_opens):
+                del self._inodes[h.ino]
+
+    def is_passthrough(self, fh: int) -> bool:
+        h = self._handles.get(fh)
+        return bool(h and h.passthrough)
+
+    def may_be_writing(self, ino: int) -> bool:
+        io = self._inodes.get(ino)
+        return bool(io and io.write_opens)
+
+    def open_handles(self) -> list[int]:
+        with self._lock:
+            return list(self._handles)
+
+    def close_all(self) -> None:
+        with self._lock:
+            for io in self._inodes.values():
+                if io.backing_id is not None:
+                    self._close(io.backing_id)
+                    io.backing_id = None
+            self._inodes.clear()
+            self._handles.clear()
+
+    def _close(self, backing_id: int) -> None:
+        try:
+            backing_close(self._devfd, backing_id)
+        except OSError as e:
+            if e.errno != errno.ENODEV:      # connection already gone: ids died with it
+                log.warning("FUSE_DEV_IOC_BACKING_CLOSE(%d): %s", backing_id, e)
+
+
+# --- capability probe ----------------------------------------------------------------------
+
+def _fs_magic(path: str) -> int:
+    buf = ctypes.create_string_buffer(128)           # struct statfs; f_type comes first
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return struct.unpack_from("<q", buf.raw)[0] & 0xFFFFFFFF
+
+
+def required_stack_depth(cache_dir: str) -> int:
+    """max_stack_depth to negotiate for backing files in ``cache_dir``: 2 when it sits on
+    a stacked file system (overlayfs, ecryptfs, another FUSE mount), else 1."""
+    return 2 if _fs_magic(cache_dir) in STACKED_FS_MAGIC else 1
+
+
+def _kernel_version() -> tuple[int, int]:
+    rel = os.uname().release
+    parts = rel.split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def _has_cap_sys_admin() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return os.geteuid() == 0
+
+
+def probe_passthrough(cache_dir: str) -> tuple[bool, str]:
+    """Can this kernel, with our privileges, pass FUSE I/O through to files in
+    ``cache_dir``?  Cheap checks first; then a throw-away mount that negotiates
+    passthrough and registers a temporary file of ``cache_dir``.  The string is one log
+    line saying why (not)."""
+    kv = _kernel_version()
+    if kv < (6, 9):
+        return False, f"kernel {os.uname().release} has no FUSE passthrough (needs >= 6.9)"
+    if not _has_cap_sys_admin():
+        return False, "FUSE passthrough needs CAP_SYS_ADMIN (FUSE_DEV_IOC_BACKING_OPEN)"
+    try:
+        depth = required_stack_depth(cache_dir)
+    except OSError as e:
+        return False, f"cache dir {cache_dir}: {e.strerror}"
+    try:
+        devfd = _mount.open_device()
+    except OSError as e:
+        return False, f"/dev/fuse: {e.strerror}"
+    mnt = tempfile.mkdtemp(prefix="acache-probe-")
+    mounted = False
+    try:
+        try:
+            _mount.mount_fuse(devfd, mnt, fsname="acache-probe")
+            mounted = True
+        except OSError as e:
+            return False, f"cannot mount FUSE: {e.strerror}"
+        req = os.read(devfd, 1 << 16)
+        length, opcode, unique = proto.IN_HEADER.unpack_from(req)[:3]
+        if opcode != proto.INIT:
+            return False, f"unexpected first FUSE request (opcode {opcode})"
+        payload, res = proto.negotiate_init(memoryview(req)[proto.IN_HEADER.size:length],
+                                            passthrough=True, max_stack_depth=depth)
+        os.write(devfd, proto.out_header(unique, 0, len(payload)) + payload)
+        if res is None or not res.kernel_flags & proto.PASSTHROUGH:
+            return False, "kernel does not offer FUSE_PASSTHROUGH (CONFIG_FUSE_PASSTHROUGH off?)"
+        if res.kernel_minor < proto.PASSTHROUGH_MINOR:
+            return False, f"kernel FUSE protocol 7.{res.kernel_minor} < 7.40"
+        with tempfile.TemporaryFile(dir=cache_dir) as f:
+            try:
+                backing_close(devfd, backing_open(devfd, f.fileno()))
+            except OSError as e:
+                why = {errno.EPERM: "not permitted (CAP_SYS_ADMIN?)",
+                       errno.ELOOP: f"cache dir is stacked too deep (max_stack_depth={depth})",
+                       errno.EINVAL: "the cache dir's file system cannot back passthrough"}
+                return False, f"FUSE passthrough refused: {why.get(e.errno, e.strerror)}"
+        return True, (f"FUSE passthrough available (kernel {os.uname().release}, protocol "
+                      f"7.{res.kernel_minor}, max_stack_depth={depth})")
+    finally:
+        if mounted:
+            _mount.umount(mnt, lazy=True)
+        os.close(devfd)
+        try:
+            os.rmdir(mnt)
+        except OSError:
+            pass

@@ -1,0 +1,236 @@
+"""The /dev/fuse request loop: reader threads, replies, INTERRUPT, and the one error edge.
+
+Each reader thread reads one request at a time from the device (the kernel hands every
+request to exactly one reader), runs its handler synchronously and writes the reply with
+one writev.  A slow handler (a LOOKUP that lists the under-storage) therefore holds only
+its own thread.
+
+Handlers return what to send: bytes or a list of buffers, ``Reply(parts, undo)`` when a
+reply that cannot be delivered must be undone (an entry whose lookup count the kernel
+never got, an open whose handle it never saw), or ``NO_REPLY`` (FORGET).  Errors are
+translated here only: ``FsError(e)`` answers ``-e``; anything else is logged with its
+traceback and answers EIO.  No exception ends a reader thread.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import threading
+from typing import Callable
+
+from acache.errors import FsError
+from acache.fs.native import proto
+from acache.fs.types import Ctx
+
+log = logging.getLogger("acache.fs.native")
+
+NO_REPLY = object()
+
+# Requests without side effects (or whose side effect a failed reply undoes): an
+# INTERRUPT for one of them is answered at once with EINTR and the late reply dropped.
+ABORTABLE = frozenset({proto.LOOKUP, proto.GETATTR, proto.READ, proto.READDIR,
+                       proto.READDIRPLUS, proto.GETXATTR, proto.LISTXATTR, proto.STATFS,
+                       proto.ACCESS})
+
+
+class Reply:
+    __slots__ = ("parts", "undo")
+
+    def __init__(self, parts, undo: Callable[[], None] | None = None):
+        self.parts = parts
+        self.undo = undo
+
+
+class Request:
+    __slots__ = ("unique", "opcode", "nodeid", "uid", "gid", "pid", "body")
+
+    def __init__(self, unique, opcode, nodeid, uid, gid, pid, body):
+        self.unique = unique
+        self.opcode = opcode
+        self.nodeid = nodeid
+        self.uid = uid
+        self.gid = gid
+        self.pid = pid
+        self.body = body            # memoryview into the reader's buffer: valid until reply
+
+    def ctx(self, umask: int | None = None) -> Ctx:
+        if umask is None:
+            return Ctx(self.uid, self.gid, self.pid)
+        return Ctx(self.uid, self.gid, self.pid, umask)
+
+
+class _InFlight:
+    __slots__ = ("answered",)
+
+    def __init__(self):
+        self.answered = False
+
+
+class Session:
+    """Owns the device fd's request loop; ``handlers`` maps opcode -> handler(Request)."""
+
+    def __init__(self, devfd: int, handlers: dict[int, Callable[[Request], object]], *,
+                 threads: int, bufsize: int):
+        self.devfd = devfd
+        self.handlers = handlers
+        self.nthreads = max(1, threads)
+        self.bufsize = bufsize
+        self.ended = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._inflight: dict[int, _InFlight] = {}
+        self._lock = threading.Lock()
+        self._counts: list[list[int]] = []
+
+    # --- handshake -------------------------------------------------------------------------
+
+    def handshake(self, negotiate: Callable[[memoryview], tuple[bytes, object]],
+                  timeout: float = 10.0):
+        """Answer the kernel's INIT (a newer kernel major gets ours, then INIT again)."""
+        buf = bytearray(max(self.bufsize, 1 << 20))
+        while True:
+            ready, _, _ = select.select([self.devfd], [], [], timeout)
+            if not ready:
+                raise TimeoutError("the kernel sent no FUSE INIT request")
+            n = os.readv(self.devfd, [buf])
+            length, opcode, unique = proto.IN_HEADER.unpack_from(buf)[:3]
+            if opcode != proto.INIT:
+                self._write(unique, [proto.out_header(unique, -errno.EIO, 0)])
+                continue
+            payload, result = negotiate(memoryview(buf)[proto.IN_HEADER.size:min(n, length)])
+            self._write(unique, [proto.out_header(unique, 0, len(payload)), payload])
+            if result is not None:
+                return result
+
+    # --- threads ---------------------------------------------------------------------------
+
+    def start(self, name: str = "acache-fuse") -> None:
+        for i in range(self.nthreads):
+            counts = [0] * 64
+            self._counts.append(counts)
+            t = threading.Thread(target=self._run, args=(counts,), name=f"{name}-{i}",
+                                 daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        for t in self._threads:
+            t.join(timeout)
+        return not any(t.is_alive() for t in self._threads)
+
+    def op_counts(self) -> dict[str, int]:
+        """Requests received so far, by opcode name (for tests and status)."""
+        total: dict[str, int] = {}
+        for counts in self._counts:
+            for op, n in enumerate(counts):
+                if n:
+                    name = proto.OPCODE_NAMES.get(op, str(op))
+                    total[name] = total.get(name, 0) + n
+        return total
+
+    def _run(self, counts: list[int]) -> None:
+        buf = bytearray(self.bufsize)
+        mv = memoryview(buf)
+        hdr = proto.IN_HEADER
+        while not self.ended.is_set():
+            try:
+                n = os.readv(self.devfd, [buf])
+            except OSError as e:
+                if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    continue
+                if e.errno != errno.ENODEV:
+                    log.error("reading /dev/fuse: %s; ending the session", e)
+                self.ended.set()
+                break
+            if n < hdr.size:
+                continue
+            length, opcode, unique, nodeid, uid, gid, pid, _ext, _ = hdr.unpack_from(buf)
+            if opcode < 64:
+                counts[opcode] += 1
+            req = Request(unique, opcode, nodeid, uid, gid, pid, mv[hdr.size:min(n, length)])
+            try:
+                self._dispatch(req)
+            except Exception:               # never let a reader die
+                log.exception("FUSE %s: unexpected failure in dispatch",
+                              proto.OPCODE_NAMES.get(opcode, opcode))
+            if opcode == proto.DESTROY:
+                self.ended.set()
+
+    # --- dispatch and replies --------------------------------------------------------------
+
+    def _dispatch(self, req: Request) -> None:
+        op = req.opcode
+        if op == proto.INTERRUPT:
+            self._interrupt(proto.INTERRUPT_IN.unpack_from(req.body)[0])
+            return
+        handler = self.handlers.get(op)
+        if handler is None:
+            self._send(req, -errno.ENOSYS, ())
+            return
+        tracked = op in ABORTABLE
+        if tracked:
+            with self._lock:
+                self._inflight[req.unique] = _InFlight()
+        try:
+            try:
+                res = handler(req)
+            except FsError as e:
+                self._send(req, -(e.errno or errno.EIO), ())
+                return
+            except Exception:
+                log.exception("FUSE %s (node %d) failed", proto.OPCODE_NAMES.get(op, op),
+                              req.nodeid)
+                self._send(req, -errno.EIO, ())
+                return
+            if res is NO_REPLY:
+                return
+            undo = None
+            if isinstance(res, Reply):
+                res, undo = res.parts, res.undo
+            parts = [res] if isinstance(res, (bytes, bytearray, memoryview)) else res
+            if not self._send(req, 0, parts) and undo is not None:
+                try:
+                    undo()
+                except Exception:
+                    log.exception("undoing an undelivered %s reply",
+                                  proto.OPCODE_NAMES.get(op, op))
+        finally:
+            if tracked:
+                with self._lock:
+                    self._inflight.pop(req.unique, None)
+
+    def _interrupt(self, target: int) -> None:
+        """The kernel gave up waiting for ``target``.  Side-effect-free requests get EINTR
+        now (their late reply is dropped); others simply complete.  An INTERRUPT that
+        races ahead of its request is ignored: the request then completes normally."""
+        with self._lock:
+            st = self._inflight.get(target)
+            if st is None or st.answered:
+                return
+            st.answered = True
+        self._write(target, [proto.out_header(target, -errno.EINTR, 0)])
+
+    def _send(self, req: Request, error: int, parts) -> bool:
+        if req.opcode in ABORTABLE:
+            with self._lock:
+                st = self._inflight.get(req.unique)
+                if st is not None:
+                    if st.answered:
+                        return False
+                    st.answered = True
+        size = sum(len(p) for p in parts)
+        return self._write(req.unique, [proto.out_header(req.unique, error, size), *parts])
+
+    def _write(self, unique: int, parts: list) -> bool:
+        try:
+            os.writev(self.devfd, parts)
+            return True
+        except OSError as e:
+            if e.errno == errno.ENOENT:       # the request was interrupted / is gone
+                return False
+            if e.errno in (errno.ENODEV, errno.ECONNABORTED):
+                self.ended.set()
+                return False
+            log.error("writing the reply to request %d: %s", unique, e)
+            return False
