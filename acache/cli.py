@@ -228,7 +228,7 @@ def main() -> None:
         app(standalone_mode=False)
     except (AcacheError, OSError) as e:
         msg = str(e) if isinstance(e, AcacheError) else f"{e.strerror or e}: {e.filename or ''}".strip(": ")
-        err.print(f"acache: error: {msg}", highlight=False, markup=False)
+        print(f"acache: error: {msg}", file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
         err.print("acache: interrupted")
@@ -242,7 +242,7 @@ def main() -> None:
             sys.exit(e.exit_code)
         if isinstance(e, click.exceptions.Abort):
             sys.exit(1)
-        err.print(f"acache: error: {type(e).__name__}: {e}", highlight=False, markup=False)
+        print(f"acache: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 

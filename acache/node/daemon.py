@@ -16,7 +16,7 @@ from acache.config import Settings
 from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under import open_store
-from acache.errors import AcacheError, ConfigError, FlushError
+from acache.errors import AcacheError, ConfigError, FlushError, UnderStoreError
 from acache.fs.vfs import VFS
 from acache.meta.kv_rocks import RocksKV
 from acache.meta.store import MetaStore
@@ -54,7 +54,12 @@ class Node:
         _check_writable(settings.home, "state directory")
         _check_writable(settings.cache_path, "cache directory")
         self.under = open_store(settings.ufs_url, dict(settings.s3))
-        self.under.check()
+        try:
+            self.under.check()
+        except UnderStoreError as e:
+            msg = str(e) if "under-storage" in str(e) else \
+                f"under-storage {settings.ufs_url} is not usable: {e}"
+            raise ConfigError(msg) from None
         self.kv = RocksKV(str(settings.cache_path / "meta"))
         self.meta = MetaStore(self.kv)
         self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
@@ -220,6 +225,7 @@ class Node:
                 "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
                 "persisted_files": p.files_done, "last_error": p.last_error,
                 "failed": len(p.failed), "stalls": c.stalls,
+                "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
             }
             if path is not None:
                 rel = self.rel(path)
