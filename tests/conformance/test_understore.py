@@ -587,6 +587,24 @@ def test_s3_cleanup_only_its_key(s3backend):
     assert s3backend.leftovers() == []
 
 
+def test_s3_cleanup_spares_live_stages_of_the_same_key(s3backend):
+    crashed = s3backend.open(part_size=5 * MiB)
+    src = s3backend.src(os.urandom(6 * MiB))
+    t0 = crashed.new_token("f")
+    crashed.stage("f", t0, src, 6 * MiB)           # its process dies
+    store = s3backend.open(part_size=5 * MiB)
+    t1, t2 = store.new_token("f"), store.new_token("f")
+    s1 = store.stage("f", t1, src, 6 * MiB)
+    s2 = store.stage("f", t2, src, 6 * MiB)
+    store.cleanup(t0)                              # recovery of the crashed stage
+    assert sorted(u for _, u in s3backend.leftovers()) == sorted([s1.upload_id, s2.upload_id])
+    store.cleanup(t1)                              # e.g. the first version was deleted
+    assert [u for _, u in s3backend.leftovers()] == [s2.upload_id]
+    s2.commit()
+    assert s3backend.leftovers() == []
+    assert store.stat("f").size == 6 * MiB
+
+
 def test_s3_commit_after_lost_reply(s3backend):
     store = s3backend.open(part_size=5 * MiB)
     data = os.urandom(6 * MiB)

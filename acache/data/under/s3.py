@@ -29,12 +29,19 @@ Uploads: a file smaller than part_size is read into memory at stage() and sent
 by one PutObject (Content-MD5) at commit().  Larger files: stage() runs
 CreateMultipartUpload and uploads parts in parallel (each with Content-MD5,
 and its returned ETag checked against the MD5 sent); commit() is
-CompleteMultipartUpload.  Progress is reported as bytes reach the server (for
-the single-PUT case: at commit).
+CompleteMultipartUpload.  Progress is reported from stage(), in the caller's
+thread, as parts reach the server (single PUT: once the bytes are in memory);
+an exception raised by the callback stops the stage and aborts its upload.
 
-Tokens are ``<uuid>\\n<path>``.  ``cleanup(token)`` aborts every multipart
-upload in progress on that path's key: call it only when no other stage of the
-same path is in flight (at recovery, before uploads restart).
+Tokens are ``<uuid>\\n<path>``.  ``cleanup(token)`` aborts that stage's upload
+and every other multipart upload in progress on the path's key that no live
+stage of this store instance owns (after a crash the upload id was never
+recorded; the uploads of live stages, even of the same key, are left alone).
+
+Renames are CopyObject (multipart UploadPartCopy above 5 GiB) then delete; a
+directory is moved object by object (in parallel), so an interrupted move is
+finished by calling rename again.  A directory renamed onto a non-empty one
+merges into it: S3 cannot tell that from a half-finished move.
 
 Errors go through one table (``translate``): rejected credentials, missing or
 invalid bucket, TLS failures -> PermanentError; 5xx, throttling, timeouts and
@@ -47,6 +54,7 @@ import base64
 import hashlib
 import os
 import ssl
+import threading
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -63,7 +71,7 @@ from minio.error import InvalidResponseError, S3Error, ServerError
 from minio.helpers import MAX_PART_SIZE, check_bucket_name
 
 from acache.data.under.base import UEntry
-from acache.data.under.file import NotFoundError, clean_path, name_of
+from acache.data.under.file import NotFoundError, clean_path, name_of, os_error
 from acache.errors import ConfigError, PermanentError, TransientError, UnderStoreError
 
 MiB = 1 << 20
@@ -270,7 +278,9 @@ class S3Store:
             maxsize=self.concurrency + 4,
             cert_reqs="CERT_REQUIRED" if o["verify_tls"] else "CERT_NONE",
             ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
-            retries=urllib3.Retry(total=2, backoff_factor=0.2, raise_on_status=False,
+            # a couple of quick retries of refused connections and 5xx answers; none
+            # after a read timeout, which already took read_timeout
+            retries=urllib3.Retry(total=2, read=0, backoff_factor=0.2, raise_on_status=False,
                                   status_forcelist=[500, 502, 503, 504]))
         try:
             self.client = Minio(ep.netloc, access_key=o["access_key"], secret_key=o["secret_key"],
@@ -284,6 +294,8 @@ class S3Store:
             self.client.enable_virtual_style_endpoint()
         self.wire = _Wire(self.client, self.bucket)
         self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._inflight: dict[str, tuple[str, str | None]] = {}
 
     # -- helpers -------------------------------------------------------------
     def _key(self, path: str) -> str:
@@ -418,14 +430,19 @@ class S3Store:
         if not path:
             raise PermanentError("cannot stage onto the root directory")
         self._token_path(token)
-        with self._errors("stage", key):
-            if size < self.part_size:
+        if size < self.part_size:
+            try:
                 with open(src_path, "rb") as f:
                     data = f.read(size)
-                if len(data) != size:
-                    raise PermanentError(f"source file ended at {len(data)} bytes, "
-                                         f"expected {size}")
-                return S3Staged(self, token, key, size, data=data, progress=progress)
+            except OSError as e:
+                raise os_error(e, f"s3 stage {key}: reading the source") from e
+            if len(data) != size:
+                raise PermanentError(f"source file ended at {len(data)} bytes, expected {size}")
+            staged = S3Staged(self, token, key, size, data=data)
+            if progress is not None:
+                progress(size)  # in memory now; sent by commit()
+            return staged
+        with self._errors("stage", key):
             return self._stage_multipart(token, key, src_path, size, progress)
 
     def _part_size_for(self, size: int) -> int:
@@ -438,29 +455,36 @@ class S3Store:
     def _stage_multipart(self, token, key, src_path, size, progress) -> "S3Staged":
         ps = self._part_size_for(size)
         ranges = [(i + 1, off, min(ps, size - off)) for i, off in enumerate(range(0, size, ps))]
-        upload_id = self.wire.create_upload(key)
-        ok = False
-        fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
+            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise os_error(e, f"s3 stage {key}: reading the source") from e
+        upload_id = None
+        self._track(token, key, None)
+        try:
+            upload_id = self.wire.create_upload(key)
+            self._track(token, key, upload_id)
+
             def one(r):
                 return self._upload_part(key, upload_id, fd, *r)
-            parts = self._run_all(one, ranges,
-                                  (lambda p: progress(p[2])) if progress else None)
-            ok = True
-        finally:
-            os.close(fd)
-            if not ok:
+            parts = self._run_all(one, ranges, (lambda p: progress(p[2])) if progress else None)
+        except BaseException:
+            self._untrack(token)
+            if upload_id is not None:
                 try:
                     self.wire.abort(key, upload_id)
                 except Exception:
                     pass  # cleanup(token) finds it later
+            raise
+        finally:
+            os.close(fd)
         parts.sort()
         return S3Staged(self, token, key, size, upload_id=upload_id,
                         parts=[(n, etag) for n, etag, _ in parts])
 
     def _upload_part(self, key, upload_id, fd, number, off, length) -> tuple[int, str, int]:
-        with self._errors(f"upload part {number} of", key):
-            chunks, got = [], 0
+        chunks, got = [], 0
+        try:
             while got < length:
                 buf = os.pread(fd, length - got, off + got)
                 if not buf:
@@ -468,26 +492,49 @@ class S3Store:
                                          f"expected more for part {number}")
                 chunks.append(buf)
                 got += len(buf)
-            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            md5_hex, md5_b64 = _md5(data)
+        except OSError as e:
+            raise os_error(e, f"s3 stage {key}: reading the source") from e
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        md5_hex, md5_b64 = _md5(data)
+        with self._errors(f"upload part {number} of", key):
             etag = self.wire.upload_part(key, upload_id, number, data, md5_b64)
-            if etag.lower() != md5_hex:
-                raise PermanentError(
-                    f"part {number} of s3://{self.bucket}/{key}: the server's ETag {etag} is "
-                    f"not the MD5 {md5_hex} of the bytes sent (server-side encryption "
-                    "with KMS is not supported)")
-            return number, etag, length
+        if etag.lower() != md5_hex:
+            raise PermanentError(
+                f"part {number} of s3://{self.bucket}/{key}: the server's ETag {etag} is "
+                f"not the MD5 {md5_hex} of the bytes sent (server-side encryption "
+                "with KMS is not supported)")
+        return number, etag, length
+
+    # In-flight multipart stages of this instance: token -> (key, upload id or None
+    # while CreateMultipartUpload is under way).  cleanup() never aborts these.
+    def _track(self, token: str, key: str, upload_id: str | None) -> None:
+        with self._lock:
+            self._inflight[token] = (key, upload_id)
+
+    def _untrack(self, token: str) -> None:
+        with self._lock:
+            self._inflight.pop(token, None)
 
     def cleanup(self, token: str) -> None:
+        """Abort this token's multipart upload, and any other upload in progress on
+        its key that no live stage of this instance owns (a crashed stage's)."""
         key = self._key(self._token_path(token))
+        with self._lock:
+            own = self._inflight.pop(token, (key, None))[1]
+            live = {u for k, u in self._inflight.values() if k == key}
         with self._errors("cleanup", key):
+            if own is not None:
+                self.wire.abort(key, own)
+            if None in live:
+                return  # another stage of this key is creating its upload: can't tell apart
             while True:
                 uploads, truncated = self.wire.uploads(key)
                 mine = [u for k, u in uploads if k == key]
-                for upload_id in mine:
+                stale = [u for u in mine if u not in live]
+                for upload_id in stale:
                     self.wire.abort(key, upload_id)
                 # this key's uploads sort first; a full page of them means: list again
-                if not (truncated and len(mine) == len(uploads)):
+                if not (truncated and stale and len(mine) == len(uploads)):
                     return
 
     def rename(self, src: str, dst: str) -> None:
@@ -583,10 +630,11 @@ class S3Store:
 
 
 class S3Staged:
-    """Staged bytes: in memory (single PUT) or a multipart upload with all parts sent."""
+    """Staged bytes: in memory with their MD5 (single PUT), or a multipart upload
+    with every part sent and checked."""
 
     def __init__(self, store: S3Store, token: str, key: str, size: int, *,
-                 data: bytes | None = None, progress=None, upload_id: str | None = None,
+                 data: bytes | None = None, upload_id: str | None = None,
                  parts: list[tuple[int, str]] | None = None):
         self.token = token
         self.key = key
@@ -594,7 +642,7 @@ class S3Staged:
         self.upload_id = upload_id
         self._store = store
         self._data = data
-        self._progress = progress
+        self._md5 = _md5(data)[1] if data is not None else None
         self._parts = parts or []
         self._done = False
 
@@ -611,9 +659,7 @@ class S3Staged:
             if self.upload_id is None:
                 if self._data is None:
                     raise PermanentError(f"commit of s3://{s.bucket}/{self.key} after abort")
-                s.wire.put(self.key, self._data, _md5(self._data)[1])
-                if self._progress is not None:
-                    self._progress(self.size)
+                s.wire.put(self.key, self._data, self._md5)
             else:
                 try:
                     s.wire.complete(self.key, self.upload_id, self._parts)
@@ -624,6 +670,7 @@ class S3Staged:
                         raise
         self._done = True
         self._data = None
+        s._untrack(self.token)
 
     def abort(self) -> None:
         s = self._store
@@ -631,3 +678,4 @@ class S3Staged:
         if self.upload_id is not None and not self._done:
             with s._errors("abort", self.key):
                 s.wire.abort(self.key, self.upload_id)
+        s._untrack(self.token)
