@@ -411,7 +411,7 @@ def test_file_commit_after_temp_removed(tmp_path):
     (tmp_path / "src").write_bytes(b"abc")
     staged = st.stage("f", st.new_token("f"), str(tmp_path / "src"), 3)
     st.cleanup(staged.token)
-    with pytest.raises(PermanentError, match="stage again"):
+    with pytest.raises(TransientError, match="stage again"):  # a retry stages again
         staged.commit()
 
 
@@ -603,6 +603,15 @@ def test_s3_cleanup_spares_live_stages_of_the_same_key(s3backend):
     s2.commit()
     assert s3backend.leftovers() == []
     assert store.stat("f").size == 6 * MiB
+
+
+def test_s3_commit_of_aborted_upload_is_transient(s3backend):
+    store = s3backend.open(part_size=5 * MiB)
+    staged = store.stage("f", store.new_token("f"), s3backend.src(os.urandom(6 * MiB)), 6 * MiB)
+    store.wire.abort(staged.key, staged.upload_id)      # e.g. a bucket lifecycle rule
+    with pytest.raises(TransientError):  # S3: NoSuchUpload (moto answers a 500)
+        staged.commit()
+    assert store.stat("f") is None
 
 
 def test_s3_commit_after_lost_reply(s3backend):

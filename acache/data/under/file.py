@@ -406,8 +406,8 @@ class FileStaged:
                     committed = os.stat(final_abs).st_ino == self._ino
                 except FileNotFoundError:
                     committed = False
-                if not committed:
-                    raise PermanentError(
+                if not committed:  # transient: the persister's retry stages again
+                    raise TransientError(
                         f"file://{st.root} commit {self.path!r}: the staged temp file "
                         f"{self._tmp!r} is gone; stage again") from None
                 # else: committed before (a retry after a crash); make it durable

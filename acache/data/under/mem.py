@@ -287,7 +287,7 @@ class MemStaged:
             if self.token not in st.staged:
                 if self._committed:
                     return
-                raise PermanentError(
+                raise TransientError(
                     f"mem:// commit {self.path!r}: the staged data is gone; stage again")
             path, data = st.staged[self.token]
             if path not in st.files and st.is_dir(path):

@@ -94,12 +94,13 @@ PERMANENT_CODES = frozenset(_HINTS) | {
     "AllAccessDisabled", "AccountProblem", "InvalidToken", "ExpiredToken",
     "InvalidRequest", "InvalidArgument", "MethodNotAllowed", "NotImplemented",
     "KeyTooLongError", "EntityTooLarge", "EntityTooSmall", "InvalidPart",
-    "InvalidPartOrder", "InvalidObjectState", "NoSuchUpload", "MissingContentLength",
+    "InvalidPartOrder", "InvalidObjectState", "MissingContentLength",
 }
 TRANSIENT_CODES = frozenset({
     "InternalError", "SlowDown", "ServiceUnavailable", "RequestTimeout",
     "OperationAborted", "BadDigest", "IncompleteBody", "XAmzContentSHA256Mismatch",
     "RequestTimeoutException", "Throttling", "ThrottlingException", "TooManyRequests",
+    "NoSuchUpload",  # the staged upload is gone (aborted): a retry stages again
 })
 
 
