@@ -318,9 +318,10 @@ class S3Store:
             raise err from e
 
     def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="acache-s3")
-        return self._pool
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="acache-s3")
+            return self._pool
 
     def _run_all(self, fn, items, on_done=None) -> list:
         """Run fn(item) for every item on the pool; the first error cancels the rest."""
@@ -621,9 +622,10 @@ class S3Store:
             self.client.remove_object(self.bucket, dk)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         self._http.clear()
 
     def __repr__(self) -> str:
