@@ -42,6 +42,7 @@ class VFS(FileOps):
         self._lookups: dict[int, int] = {}
         self._dirs: dict[int, tuple[int, list]] = {}
         persister.gc = self.gc_gen
+        meta.on_freed = self.gc_gen
         cache.evict_hook = self._evict
 
     # -- helpers ------------------------------------------------------------------------
@@ -264,8 +265,7 @@ class VFS(FileOps):
                     txn = self.meta.txn()
                     txn.drop_inode(node.ino)
                     txn.commit()
-            for ino, gen in [k for k in self.cache.known_for(node.ino)]:
-                self.gc_gen(ino, gen)
+            self.gc_gen(node.ino, node.gen)
 
     # -- rename -----------------------------------------------------------------------
     def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,

@@ -35,13 +35,15 @@ def _cancel(txn: Txn, inflight: Inflight, e: Entry) -> None:
     if inflight.state(e.seq) == "staging":
         inflight.abort(e.seq)
     txn.remove_entry(e.seq)
+    if e.op == "put":
+        txn.freed.append((e.ino, e.gen))
 
 
 def journal_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> Entry:
     """The file was closed: commit its current generation at its current path."""
     for old in meta.puts_of(node.ino):
         if inflight.state(old.seq) == "":
-            txn.remove_entry(old.seq)
+            _cancel(txn, inflight, old)
     return txn.append(op="put", path=meta.path_of(node.ino), ino=node.ino, gen=node.gen,
                       size=node.size)
 

@@ -100,6 +100,7 @@ class Txn:
         self.puts: dict[bytes, bytes] = {}
         self.deletes: list[bytes] = []
         self.dirty_inodes: dict[int, Inode] = {}
+        self.freed: list[tuple[int, int]] = []   # (ino, gen) no longer needed by the journal
 
     def save(self, ino: Inode) -> None:
         self.dirty_inodes[ino.ino] = ino
@@ -153,7 +154,10 @@ class Txn:
                 self.puts[K.inode_key(ino.ino)] = ino.pack()
         if self.puts or self.deletes:
             self.store.kv.write(self.puts, self.deletes, sync=sync)
+        freed, self.freed = self.freed, []
         self.puts, self.deletes, self.dirty_inodes = {}, [], {}
+        for ino, gen in freed:
+            self.store.on_freed(ino, gen)
 
 
 class MetaStore:
@@ -166,6 +170,7 @@ class MetaStore:
         self._children: dict[int, dict[bytes, int]] = {}
         self._journal: dict[int, Entry] = {}
         self._puts_of: dict[int, set[int]] = {}   # ino -> seqs of its pending PUTs
+        self.on_freed = lambda ino, gen: None      # a cache file the journal let go of
         raw = kv.get(K.counter_key("next_ino"))
         self._next_ino = K.from_u64(raw) if raw else ROOT_INO
         raw = kv.get(K.counter_key("next_seq"))
