@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 import struct
 import threading
@@ -40,6 +41,7 @@ class Node:
     atime_ns: int = 0
     mtime_ns: int = 0
     ctime_ns: int = 0
+    gen: int = 0
 
 
 @dataclass
@@ -50,7 +52,11 @@ class Handle:
 
 
 class MemVFS:
-    def __init__(self, backing_dir: str, *, passthrough: bool = True):
+    def __init__(self, backing_dir: str, *, passthrough: bool = True,
+                 cow_on_write: bool = False):
+        # cow_on_write: like acache's VFS, a write open of a file that others hold open
+        # gets a fresh cache file (a new generation) and leaves the old one to them.
+        self.cow_on_write = cow_on_write
         self.backing_dir = backing_dir
         os.makedirs(backing_dir, exist_ok=True)
         self.passthrough = passthrough
@@ -73,7 +79,8 @@ class MemVFS:
     # --- helpers ---------------------------------------------------------------------------
 
     def path(self, ino: int) -> str:
-        return os.path.join(self.backing_dir, str(ino))
+        n = self.nodes.get(ino)
+        return os.path.join(self.backing_dir, f"{ino}.{n.gen if n else 0}")
 
     def _node(self, ino: int) -> Node:
         try:
@@ -90,7 +97,7 @@ class MemVFS:
     def _attr(self, n: Node) -> Attr:
         if stat.S_ISREG(n.mode):
             fds = [h.fd for h in self.handles.values() if h.ino == n.ino]
-            st = os.fstat(fds[0]) if fds else os.stat(self.path(n.ino))
+            st = os.fstat(fds[-1]) if fds else os.stat(self.path(n.ino))
             return Attr(n.ino, n.mode, n.nlink, n.uid, n.gid, st.st_size, st.st_atime_ns,
                         st.st_mtime_ns, st.st_ctime_ns, st.st_blocks)
         size = 4096 if n.children is not None else 0
@@ -319,6 +326,12 @@ class MemVFS:
             n = self._node(ino)
             if n.children is not None:
                 raise FsError(errno.EISDIR)
+            writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+            if self.cow_on_write and writable and any(h.ino == ino
+                                                      for h in self.handles.values()):
+                old = self.path(ino)
+                n.gen += 1
+                shutil.copyfile(old, self.path(ino))
             fd = os.open(self.path(ino), os.O_RDWR)
             if flags & os.O_TRUNC:
                 os.ftruncate(fd, 0)

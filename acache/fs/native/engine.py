@@ -24,7 +24,8 @@ class NativeEngine:
 
     def __init__(self, vfs, mountpoint: str, *, passthrough: bool, max_stack_depth: int = 1,
                  threads: int = 8, fsname: str = "acache", entry_timeout: float = 1.0,
-                 attr_timeout: float = 1.0, writeback_cache: bool = False):
+                 attr_timeout: float = 1.0, conflict_wait: float = 2.0,
+                 writeback_cache: bool = False):
         # writeback_cache exists to demonstrate (in tests) that the kernel then refuses
         # passthrough; the node daemon never sets it.
         self.vfs = vfs
@@ -36,6 +37,7 @@ class NativeEngine:
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
         self.writeback_cache = writeback_cache
+        self.conflict_wait = conflict_wait      # see passthrough.OpenTable
         self.passthrough_active = False
         self.init = None                    # proto.InitResult once started
         self._devfd: int | None = None
@@ -71,7 +73,7 @@ class NativeEngine:
                             "daemon serves reads and writes", self.mountpoint,
                             "kernel refused it" if res.passthrough else "kernel lacks it")
             session.bufsize = res.max_write + 4096
-            table = OpenTable(devfd, self.passthrough_active)
+            table = OpenTable(devfd, self.passthrough_active, self.conflict_wait)
             self._ops = Ops(self.vfs, table, entry_timeout=self.entry_timeout,
                             attr_timeout=self.attr_timeout)
             session.handlers = self._ops.handlers

@@ -41,7 +41,8 @@ class Ops:
         self.table = table
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
-        self._fsyncdir = getattr(vfs, "fsyncdir", None)     # optional VFS capability
+        self._fsyncdir = getattr(vfs, "fsyncdir", None)     # optional VFS capabilities
+        self._mknod = getattr(vfs, "mknod", None)
         self._dirs: dict[int, tuple[int, list]] = {}        # fh -> (next vfs offset, rest)
         self._dirs_lock = threading.Lock()
         self._open_dirs: set[int] = set()
@@ -127,9 +128,13 @@ class Ops:
         if not stat.S_ISREG(mode):
             raise FsError(errno.EPERM)
         name = _name(req.body[proto.MKNOD_IN.size:])
-        fh, a = self.vfs.create(req.nodeid, name, mode, os.O_CREAT | os.O_EXCL | os.O_WRONLY,
-                                req.ctx(umask))
-        self.vfs.release(fh)
+        if self._mknod is not None:
+            a = self._mknod(req.nodeid, name, mode, _rdev, req.ctx(umask))
+        else:
+            fh, a = self.vfs.create(req.nodeid, name, mode,
+                                    os.O_CREAT | os.O_EXCL | os.O_WRONLY, req.ctx(umask))
+            self.vfs.flush(fh)
+            self.vfs.release(fh)
         return Reply(self._entry(a), self._forget_one(a.ino))
 
     def unlink(self, req: Request):

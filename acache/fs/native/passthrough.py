@@ -12,6 +12,13 @@ Rules the kernel enforces (fs/fuse/iomode.c), which shape ``OpenTable``:
 
 The kernel drops its side of an open at close(2), before RELEASE reaches us, so our counts
 are never below the kernel's: reusing the backing id while our count is > 0 is always valid.
+
+One inode, one backing *file*: when the VFS hands a different cache file for an inode
+(a new generation, opened for writing while the old one is being persisted) and the old
+one is still passed through, the new open can be neither passthrough (other backing:
+EBUSY) nor daemon-served (the inode is in passthrough mode).  We wait a little for the
+old opens to be released (usually a RELEASE still in flight) and otherwise refuse the
+open with EBUSY rather than write into the old generation.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from acache.errors import FsError
 from acache.fs.native import mount as _mount
 from acache.fs.native import proto
 
@@ -64,6 +72,7 @@ def connection_has_passthrough(devfd: int) -> bool:
 @dataclass
 class _InodeIO:
     backing_id: int | None = None
+    backing_file: tuple[int, int] | None = None     # (st_dev, st_ino) of the backing
     passthrough_opens: int = 0
     cached_opens: int = 0
     write_opens: int = 0
@@ -81,10 +90,11 @@ class OpenTable:
     per inode, closed at the inode's last RELEASE), and whether an inode may be open for
     writing (its attributes must then not be cached)."""
 
-    def __init__(self, devfd: int, passthrough: bool):
+    def __init__(self, devfd: int, passthrough: bool, conflict_wait: float = 2.0):
         self._devfd = devfd
         self.passthrough = passthrough
-        self._lock = threading.Lock()
+        self.conflict_wait = conflict_wait
+        self._lock = threading.Condition()
         self._inodes: dict[int, _InodeIO] = {}
         self._handles: dict[int, _Handle] = {}
         self._warned: set[int] = set()
@@ -93,14 +103,21 @@ class OpenTable:
              passthrough_fd: Callable[[], int | None]) -> tuple[int, int]:
         """Record an open; returns (fuse open_flags, backing_id) for the OPEN reply."""
         fd = passthrough_fd() if self.passthrough else None
+        ident = None
+        if fd is not None:
+            st = os.fstat(fd)
+            ident = (st.st_dev, st.st_ino)
         with self._lock:
             io = self._inodes.setdefault(ino, _InodeIO())
+            if ident is not None and io.backing_file not in (None, ident):
+                io = self._wait_for_backing_close(ino)
             use_pt = False
             if io.backing_id is not None:
                 use_pt = True           # the kernel insists on the inode's backing
             elif fd is not None and io.cached_opens == 0:
                 try:
                     io.backing_id = backing_open(self._devfd, fd)
+                    io.backing_file = ident
                     use_pt = True
                 except OSError as e:
                     if e.errno not in self._warned:
@@ -117,6 +134,17 @@ class OpenTable:
                 return proto.FOPEN_PASSTHROUGH, io.backing_id
             return 0, 0
 
+    def _wait_for_backing_close(self, ino: int) -> _InodeIO:
+        """The inode is passed through to another cache file than this open's (called with
+        the lock held).  Give in-flight RELEASEs a moment; then refuse with EBUSY."""
+        ok = self._lock.wait_for(lambda: ino not in self._inodes
+                                 or self._inodes[ino].backing_id is None, self.conflict_wait)
+        if not ok:
+            log.warning("open of ino %d refused (EBUSY): it is still open through an older "
+                        "cache file, and the kernel allows one backing file per inode", ino)
+            raise FsError(errno.EBUSY)
+        return self._inodes.setdefault(ino, _InodeIO())
+
     def release(self, fh: int) -> None:
         """Forget an open; closes the inode's backing id with its last passthrough open."""
         with self._lock:
@@ -129,11 +157,12 @@ class OpenTable:
                 io.passthrough_opens -= 1
                 if io.passthrough_opens == 0 and io.backing_id is not None:
                     self._close(io.backing_id)
-                    io.backing_id = None
+                    io.backing_id = io.backing_file = None
             else:
                 io.cached_opens -= 1
             if not (io.passthrough_opens or io.cached_opens):
                 del self._inodes[h.ino]
+            self._lock.notify_all()
 
     def is_passthrough(self, fh: int) -> bool:
         h = self._handles.get(fh)

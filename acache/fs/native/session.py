@@ -8,8 +8,9 @@ its own thread.
 Handlers return what to send: bytes or a list of buffers, ``Reply(parts, undo)`` when a
 reply that cannot be delivered must be undone (an entry whose lookup count the kernel
 never got, an open whose handle it never saw), or ``NO_REPLY`` (FORGET).  Errors are
-translated here only: ``FsError(e)`` answers ``-e``; anything else is logged with its
-traceback and answers EIO.  No exception ends a reader thread.
+translated here only: ``FsError(e)`` answers ``-e``; an OSError of the cache disk that
+the writer must see (ENOSPC, EDQUOT, EFBIG, EROFS, EIO) answers its errno; anything else is
+logged with its traceback and answers EIO.  No exception ends a reader thread.
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ NO_REPLY = object()
 ABORTABLE = frozenset({proto.LOOKUP, proto.GETATTR, proto.READ, proto.READDIR,
                        proto.READDIRPLUS, proto.GETXATTR, proto.LISTXATTR, proto.STATFS,
                        proto.ACCESS})
+
+
+# OS errors of the cache disk that the writer should see as they are (anything else
+# unexpected is a bug: logged with its traceback and answered EIO).
+PASS_OS_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
 
 
 class Reply:
@@ -177,6 +183,16 @@ class Session:
                 res = handler(req)
             except FsError as e:
                 self._send(req, -(e.errno or errno.EIO), ())
+                return
+            except OSError as e:
+                if e.errno in PASS_OS_ERRORS:       # the cache disk is full, read-only...
+                    log.error("FUSE %s (node %d): %s", proto.OPCODE_NAMES.get(op, op),
+                              req.nodeid, e)
+                    self._send(req, -e.errno, ())
+                    return
+                log.exception("FUSE %s (node %d) failed", proto.OPCODE_NAMES.get(op, op),
+                              req.nodeid)
+                self._send(req, -errno.EIO, ())
                 return
             except Exception:
                 log.exception("FUSE %s (node %d) failed", proto.OPCODE_NAMES.get(op, op),
