@@ -90,9 +90,13 @@ class AcacheNode:
 
     def stop(self) -> None:
         """Teardown: stop without flushing, force-detach whatever is left."""
-        self.cli("down", "--no-flush", check=False, timeout=60)
+        try:
+            self.cli("down", "--no-flush", check=False, timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
         self.kill9()
-        subprocess.run(["umount", "-l", str(self.mnt)], capture_output=True)
+        if str(self.mnt) in fuse_mounts():
+            subprocess.run(["umount", "-l", str(self.mnt)], capture_output=True)
 
     def ufs_files(self) -> dict[str, bytes]:
         """Everything in a file:// under-storage (relative path -> bytes)."""
