@@ -35,6 +35,8 @@ class ReadThrough:
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="acache-fetch")
         self._fills: dict[tuple[int, int], _Fill] = {}
         self._lock = threading.Lock()
+        self.requests = 0          # under-storage reads made (status: ufs_reads)
+        self.bytes_read = 0
 
     def forget(self, ino: int, gen: int) -> None:
         with self._lock:
@@ -91,7 +93,11 @@ class ReadThrough:
             data = b""
             for attempt in range(3):       # a rename may move the object under us
                 try:
+                    with self._lock:
+                        self.requests += 1
                     data = self.under.read(upath(), off, n)
+                    with self._lock:
+                        self.bytes_read += len(data)
                     break
                 except UnderStoreError:
                     if attempt == 2:

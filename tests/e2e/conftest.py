@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from tests.acache_node import AcacheNode
+from tests.acache_node import AcacheNode, fuse_mounts
 
 ENGINES = ["pyfuse3"] + (["native"] if os.environ.get("ACACHE_TEST_NATIVE", "1") == "1" else [])
 
@@ -27,6 +27,37 @@ def node(tmp_path, engine):
     """A running node with the mount at node.mnt over a file:// under-storage."""
     if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
         pytest.fail("e2e tests need /dev/fuse and root")
-    n = AcacheNode(tmp_path, engine=engine).start()
+    n = AcacheNode(tmp_path, engine=engine)
+    try:
+        n.start()
+    except BaseException:
+        n.stop()
+        raise
     yield n
     n.stop()
+    assert str(n.mnt) not in fuse_mounts(), f"{n.mnt} is still mounted after the test"
+
+
+@pytest.fixture
+def make_node(tmp_path, engine):
+    """A factory of nodes (AcacheNode keyword arguments; ``start=False`` to prepare the
+    under-storage first); every node is stopped and its mount checked gone at teardown."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.fail("e2e tests need /dev/fuse and root")
+    nodes: list[AcacheNode] = []
+
+    def make(start: bool = True, **kw) -> AcacheNode:
+        n = AcacheNode(tmp_path / f"n{len(nodes)}", engine=engine, **kw)
+        nodes.append(n)
+        if start:
+            try:
+                n.start()
+            except BaseException:
+                n.stop()
+                raise
+        return n
+    yield make
+    for n in nodes:
+        n.stop()
+    left = [m for m in fuse_mounts() if m.startswith(str(tmp_path))]
+    assert not left, f"mounts left behind: {left}"
