@@ -231,9 +231,14 @@ class Bench:
             workers = self._workers(wkind, env)
             try:
                 if workers is not None:     # the first save of a process pays for warm-up: untimed
-                    workers.save({"path": str(self.raw / "ckpt-warmup")}, self.a.op_timeout)
-                    Place("raw", self.raw).clear("ckpt-warmup") if (self.raw / "ckpt-warmup").is_dir() \
-                        else (self.raw / "ckpt-warmup.pt").unlink()
+                    warm = Place("raw", self.raw)
+                    try:
+                        workers.save({"path": str(warm.dir("warmup") / "ckpt")}, self.a.op_timeout)
+                    except WorkerError as e:
+                        self.note(f"{test}: the warm-up save failed: {e}")
+                        workers.close()
+                        workers = None
+                    warm.clear("warmup")
                 for rep in range(self.a.repeat):
                     for p in rotate(places, rep):
                         if workers is None:

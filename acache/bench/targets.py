@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -114,10 +115,12 @@ class AcacheTarget:
 
     def __init__(self, root: Path, engine: str, ufs: str, env: dict[str, str] | None = None) -> None:
         self.root, self.engine, self.ufs = root, engine, ufs
-        self.home = root / "home"
+        # the home holds the control socket, whose path must fit in 107 bytes: keep it short,
+        # and the cache (on the benchmarked filesystem) under root
+        self.home = Path(tempfile.mkdtemp(prefix=f"acb-{engine}-"))
         self.mnt = root / "mnt"
         self.env = dict(os.environ, ACACHE_HOME=str(self.home), ACACHE_UFS=ufs,
-                        ACACHE_ENGINE=engine, **(env or {}))
+                        ACACHE_ENGINE=engine, ACACHE_CACHE_DIR=str(root / "cache"), **(env or {}))
         self.proc: subprocess.Popen | None = None
         self.passthrough = False
         self.engine_used = ""
@@ -152,7 +155,7 @@ class AcacheTarget:
             wait_for(lambda: self._died() or is_running(self.socket), 60,
                      f"the acache node ({self.engine})")
             if self.proc.poll() is not None:
-                self.note = f"node exited: {self.log_tail(3)}"
+                self.note = f"node exited: {self.log_tail(1)}"
                 return False
             p = self._cli("mount", str(self.mnt), "--engine", self.engine, timeout=mount_timeout)
         except subprocess.TimeoutExpired:
@@ -191,18 +194,18 @@ class AcacheTarget:
 
     def stop(self) -> None:
         """`acache down --no-flush`, then end the daemon and detach whatever is left."""
-        if self.proc is None or self.proc.poll() is not None:
-            detach(self.mnt)
-            return
-        try:
-            self._cli("down", "--no-flush", timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            stop_process(self.proc)
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self._cli("down", "--no-flush", timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                stop_process(self.proc)
         detach(self.mnt)
+        if self.proc is None or self.proc.poll() is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
 
 
 # -- rclone mount ---------------------------------------------------------------------------
