@@ -162,8 +162,15 @@ class Persister:
         now = time.monotonic()
         wake = 1.0
         staging = sum(1 for j in self.jobs.values() if j.state == "staging")
+        moved: list[str] = []    # paths an earlier rename/delete/rmdir still has to change
         for e in self.meta.journal()[:WINDOW]:
+            if e.op in ("rename", "delete", "rmdir"):
+                moved += [p for p in (e.path, e.dst) if p]
             if e.op != "put" or e.seq in self.jobs:
+                continue
+            if any(e.path.startswith(p + "/") for p in moved):
+                # staging may create the parents of e.path (file://: the temp file lives
+                # there): not before the earlier change of one of them has landed
                 continue
             at = self._eligible_at(e)
             if at > now:
