@@ -315,7 +315,8 @@ class VFS(FileOps):
                 replaced_remote = journal.on_delete(self.meta, txn, self.persister, dst, new_path,
                                                     append=False)
                 self._unlink_node(txn, parent_new, name_new, dst)
-            lands = journal.on_rename(self.meta, txn, self.persister, src, old_path, new_path)
+            lands = journal.on_rename(self.meta, txn, self.persister, src, old_path, new_path,
+                                      atomic_dirs=self.under.atomic_dir_rename)
             if replaced_remote and not lands:
                 txn.append(op="rmdir" if dst.is_dir else "delete", path=new_path, ino=dst.ino)
             txn.unlink(parent_old, name_old)

@@ -9,6 +9,10 @@ data that was never persisted elided:
     the new name: no traffic for the old name, and nothing closed after the
     rename can land before it.  If any of it is already in the under-storage
     (or being committed), a RENAME entry is appended instead, applied in order;
+    so is a directory with pending entries when the under-storage renames
+    directories atomically: moving its entries one by one would show the new
+    name half-populated, a state that never existed (the staging pattern
+    tmp-checkpoint-N -> checkpoint-N relies on the name appearing whole);
   * deleting cancels pending PUTs/MKDIRs; a DELETE/RMDIR is appended only when
     something may exist in the under-storage.  Nothing deleted comes back.
 
@@ -71,21 +75,27 @@ def on_delete(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode, path: 
             else:
                 _cancel(txn, inflight, e)
     remote = node.upath is not None or committing
+    if not remote:   # a directory renamed before anything of it landed: nothing to move
+        for e in list(meta.journal()):
+            if e.ino == node.ino and e.op == "rename" and inflight.state(e.seq) != "committing":
+                txn.remove_entry(e.seq)
     if remote and append:
         txn.append(op="rmdir" if node.is_dir else "delete", path=path, ino=node.ino)
     return remote
 
 
 def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
-              old: str, new: str) -> bool:
+              old: str, new: str, atomic_dirs: bool = False) -> bool:
     """``node`` moves from ``old`` to ``new``.  Returns True when an entry now
-    lands at ``new`` (so a replaced target needs no DELETE of its own)."""
+    lands at ``new`` (so a replaced target needs no DELETE of its own).
+    ``atomic_dirs``: the under-storage renames a directory in one step."""
     sub = _subtree(meta, node)
     inos = {n.ino for n in sub}
     mine = [e for e in meta.journal() if e.ino in inos and e.op in ("put", "mkdir")]
     remote = any(n.upath is not None for n in sub) \
         or any(inflight.state(e.seq) == "committing" for e in mine) \
-        or any(e.op not in ("put", "mkdir") and (e.touches(old)) for e in meta.journal())
+        or any(e.op not in ("put", "mkdir") and (e.touches(old)) for e in meta.journal()) \
+        or (atomic_dirs and node.is_dir and bool(mine))
     if remote:
         txn.append(op="rename", path=old, dst=new, ino=node.ino, inos=sorted(inos))
         return True

@@ -164,6 +164,7 @@ def test_reopen_for_write_during_upload_does_not_touch_staged_bytes(tmp_path):
 
 
 def test_dir_rename_of_new_tree_is_free_and_of_persisted_tree_is_one_rename(rig):
+    rig.store.atomic_dir_rename = False       # S3-like: a prefix moves object by object
     tmp = rig.mkdir(ROOT_INO, b"tmp-checkpoint-1")
     rig.p.flush_delay = 5
     for i in range(3):
@@ -176,6 +177,37 @@ def test_dir_rename_of_new_tree_is_free_and_of_persisted_tree_is_one_rename(rig)
     rig.drain()
     assert [c for c in rig.store.calls if c[0] == "rename"] == [("rename", "checkpoint-1 -> old-1")]
     assert sorted(rig.files()) == ["old-1/f0", "old-1/f1", "old-1/f2"]
+
+
+def test_dir_rename_of_new_tree_appears_whole_where_dir_renames_are_atomic(rig):
+    """The staging pattern (tmp-checkpoint-N populated, renamed to checkpoint-N):
+    on a store with atomic directory rename, checkpoint-N never shows half
+    populated: the tree lands under its first name, then one rename."""
+    tmp = rig.mkdir(ROOT_INO, b"tmp-checkpoint-1")
+    rig.p.flush_delay = 5
+    for i in range(3):
+        rig.write(tmp, b"f%d" % i, b"x")
+    rig.vfs.rename(ROOT_INO, b"tmp-checkpoint-1", ROOT_INO, b"checkpoint-1", 0)
+    rig.drain()
+    assert [c for c in rig.store.calls if "checkpoint-1" in c[1] and c[0] in ("commit", "rename")] \
+        == [("commit", f"tmp-checkpoint-1/f{i}") for i in range(3)] \
+        + [("rename", "tmp-checkpoint-1 -> checkpoint-1")]
+    assert sorted(rig.files()) == ["checkpoint-1/f0", "checkpoint-1/f1", "checkpoint-1/f2"]
+
+
+def test_delete_of_renamed_new_tree_leaves_nothing_to_apply(tmp_path):
+    r = Rig(tmp_path, flush_delay=5)     # nothing of it lands before the delete
+    try:
+        tmp = r.mkdir(ROOT_INO, b"tmp-checkpoint-1")
+        r.write(tmp, b"f", b"x")
+        r.vfs.rename(ROOT_INO, b"tmp-checkpoint-1", ROOT_INO, b"checkpoint-1", 0)
+        r.vfs.unlink(tmp, b"f")
+        r.vfs.rmdir(ROOT_INO, b"checkpoint-1")
+        assert r.meta.journal() == []
+        r.drain()
+        assert r.files() == {} and r.p.failed == {}
+    finally:
+        r.stop()
 
 
 def test_rename_onto_persisted_target_replaces_it(rig):

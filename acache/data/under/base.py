@@ -41,6 +41,10 @@ class Staged(Protocol):
 
 class UnderStore(Protocol):
     url: str
+    # rename() of a directory is one atomic step (POSIX rename, a locked dict);
+    # S3 moves a prefix object by object.  The journal keeps a renamed directory
+    # whole where this is true (journal.on_rename).
+    atomic_dir_rename: bool
 
     def check(self) -> None:
         """Raise PermanentError unless the store is reachable and writable."""

@@ -132,6 +132,8 @@ def copy_range(src_fd: int, dst_fd: int, size: int,
 class FileStore:
     """An UnderStore on a POSIX directory.  Thread-safe: it holds no mutable state."""
 
+    atomic_dir_rename = True
+
     def __init__(self, url: str, **options):
         if options:
             raise ConfigError(f"file:// takes no options, got {sorted(options)}")

@@ -70,6 +70,8 @@ def _injected(op: str, path: str) -> TransientError:
 
 
 class MemStore:
+    atomic_dir_rename = True
+
     def __init__(self, url: str, *, state: MemState | None = None, delay: float = 0.0,
                  bandwidth: float | None = None,
                  faults: Callable[[str, str], None] | None = None):

@@ -252,6 +252,8 @@ class _Wire:
 
 
 class S3Store:
+    atomic_dir_rename = False   # a prefix moves object by object
+
     def __init__(self, url: str, **options):
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
