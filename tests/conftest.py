@@ -3,14 +3,18 @@ dead FUSE mount behind (pytest's temp-dir cleanup would block on it)."""
 import subprocess
 
 
-def _acache_mounts() -> list[str]:
+def _acache_mounts(under: str) -> list[str]:
     with open("/proc/mounts") as f:
         return [ln.split()[1] for ln in f
-                if ln.split()[2].startswith("fuse.acache") and "/pytest-of-" in ln.split()[1]]
+                if ln.split()[2].startswith("fuse.acache") and ln.split()[1].startswith(under)]
 
 
 def pytest_sessionfinish(session, exitstatus):
-    left = _acache_mounts()
+    # only this session's temp dir: other pytest sessions may be running on this host
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    left = _acache_mounts(str(factory.getbasetemp()) + "/")
     for mnt in left:
         subprocess.run(["umount", "-l", mnt], capture_output=True)
     if left:
