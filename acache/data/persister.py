@@ -79,6 +79,11 @@ class Persister:
         job = self.jobs.pop(seq, None)
         if job is not None:
             job.aborted = True
+            if job.done.is_set():   # its stage already finished: nobody else throws it away
+                try:
+                    self.pool.submit(self._discard, job)
+                except RuntimeError:   # shutting down: the token is cleaned at restart
+                    pass
         self._retry_at.pop(seq, None)
         self.failed.pop(seq, None)
         self.cond.notify_all()
@@ -205,24 +210,37 @@ class Persister:
             if job.aborted:
                 raise _Aborted()
 
+        staged, error = None, None
         try:
-            job.staged = self.under.stage(e.path, e.token, self.cache.path(e.ino, e.gen), e.size,
-                                          progress)
-            if job.aborted:
-                job.staged.abort()
+            staged = self.under.stage(e.path, e.token, self.cache.path(e.ino, e.gen), e.size,
+                                      progress)
         except _Aborted:
-            self._cleanup(e.token)
+            pass
         except BaseException as exc:   # handed to the scheduler thread
-            job.error = exc
-            if job.aborted:
-                self._cleanup(e.token)
-        finally:
+            error = exc
+        with self.lock:
+            # decided under the lock: an abort() from now on sees done set and discards
+            # the stage itself; one before it is seen here
+            job.staged, job.error = staged, error
             job.state = "staged" if job.state == "staging" else job.state
+            aborted = job.aborted
             job.done.set()
-            with self.lock:
-                if job.aborted:
-                    self.gc(e.ino, e.gen)
-                self.cond.notify_all()
+            self.cond.notify_all()
+        if aborted:
+            self._discard(job)
+
+    def _discard(self, job: Job) -> None:
+        """Throw away the upload of an aborted job (outside the lock: S3 I/O)."""
+        e = job.entry
+        if job.staged is not None:
+            try:
+                job.staged.abort()
+            except Exception as exc:
+                log.warning("aborting the stage of %s failed: %s", e.path, exc)
+        self._cleanup(e.token)
+        with self.lock:
+            self.gc(e.ino, e.gen)
+            self.cond.notify_all()
 
     def _cleanup(self, token: str) -> None:
         try:
@@ -248,6 +266,8 @@ class Persister:
             self.under.mkdir(e.path)
         elif e.op == "rmdir":
             self.under.rmdir(e.path)
+        log.debug("applied seq %d: %s %s%s (ino %d gen %d)", e.seq, e.op, e.path,
+                  f" -> {e.dst}" if e.dst else "", e.ino, e.gen)
         with self.lock:
             self._done(e)
 

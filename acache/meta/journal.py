@@ -94,7 +94,8 @@ def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
     mine = [e for e in meta.journal() if e.ino in inos and e.op in ("put", "mkdir")]
     remote = any(n.upath is not None for n in sub) \
         or any(inflight.state(e.seq) == "committing" for e in mine) \
-        or any(e.op not in ("put", "mkdir") and (e.touches(old)) for e in meta.journal()) \
+        or any(e.op not in ("put", "mkdir") and (e.ino in inos or inos & set(e.inos))
+               for e in meta.journal()) \
         or (atomic_dirs and node.is_dir and bool(mine))
     if remote:
         txn.append(op="rename", path=old, dst=new, ino=node.ino, inos=sorted(inos))
@@ -102,7 +103,7 @@ def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
     moved = False
     for e in mine:
         _cancel(txn, inflight, e)
-        path = new + e.path[len(old):]
+        path = new + meta.path_of(e.ino)[len(old):]   # e.path may predate an ancestor's rename
         txn.append(op=e.op, path=path, ino=e.ino, gen=e.gen, size=e.size)
         moved = moved or path == new
     return moved

@@ -15,6 +15,7 @@ Write-back states of a file (the durability rule of each):
 """
 from __future__ import annotations
 
+import logging
 import stat as st
 import threading
 import time
@@ -27,6 +28,7 @@ from acache.meta import schema as K
 from acache.meta.kv import KV
 
 ROOT_INO = 1
+log = logging.getLogger("acache.meta")
 
 
 @dataclass
@@ -128,6 +130,8 @@ class Txn:
         s._next_seq += 1
         e = Entry(seq=s._next_seq, t=time.monotonic(), **kw)
         s._journal[e.seq] = e
+        log.debug("journal +%d %s %s%s (ino %d gen %d)", e.seq, e.op, e.path,
+                  f" -> {e.dst}" if e.dst else "", e.ino, e.gen)
         if e.op == "put":
             s._puts_of.setdefault(e.ino, set()).add(e.seq)
         self.puts[K.journal_key(e.seq)] = e.pack()
@@ -139,6 +143,7 @@ class Txn:
 
     def remove_entry(self, seq: int) -> None:
         e = self.store._journal.pop(seq, None)
+        log.debug("journal -%d", seq)
         if e is not None and e.op == "put":
             seqs = self.store._puts_of.get(e.ino)
             if seqs is not None:
