@@ -202,7 +202,24 @@ def test_stat_while_writing_sees_the_growing_size(mounted):
             f.write(b"z" * 4096)
             f.flush()
             assert os.stat(m.p("grow")).st_size == 4096 * i   # attr not cached while open
-    assert m.vfs.calls["getattr_fh"] >= 0
+            assert os.fstat(f.fileno()).st_size == 4096 * i
+            assert f.seek(0, os.SEEK_END) == 4096 * i     # GETATTR with the handle
+    assert m.vfs.calls["getattr_fh"] >= 1
+
+
+def test_write_by_another_user_drops_setuid(mounted):
+    m = mounted()
+    p = m.p("suid")
+    with open(p, "wb") as f:
+        f.write(b"#!/bin/sh\n")
+    os.chmod(p, 0o4777)
+    os.chmod(m.mnt, 0o777)
+    os.chmod(os.path.dirname(m.root), 0o755)        # mkdtemp made it 0700
+    assert os.stat(p).st_mode & 0o7777 == 0o4777
+    subprocess.run([sys.executable, "-c",
+                    f"import os; os.setuid(65534); open({p!r}, 'ab').write(b'x')"], check=True)
+    assert os.stat(p).st_mode & 0o7777 == 0o0777
+    assert os.stat(p).st_size == 11
 
 
 def test_readdir_many_entries(mounted):

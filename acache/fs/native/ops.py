@@ -59,6 +59,7 @@ class Ops:
             p.GETXATTR: self.getxattr, p.LISTXATTR: self.listxattr,
             p.SETXATTR: self.setxattr, p.REMOVEXATTR: self.removexattr,
             p.ACCESS: self.access, p.FALLOCATE: self.fallocate, p.DESTROY: self.destroy,
+            p.NOTIFY_REPLY: lambda req: NO_REPLY,     # we send no retrieve requests
             p.IOCTL: self._error(errno.ENOTTY), p.SYMLINK: self._error(errno.EPERM),
             p.LINK: self._error(errno.EPERM), p.READLINK: self._error(errno.EINVAL),
             # LSEEK, POLL, BMAP, COPY_FILE_RANGE, STATX, TMPFILE, ...: ENOSYS (no handler)
@@ -89,6 +90,15 @@ class Ops:
         open_flags, backing_id = self.table.open(ino, fh, _writable(flags),
                                                  lambda: self.vfs.passthrough_fd(fh))
         return proto.OPEN_OUT.pack(fh, open_flags, backing_id)
+
+    def _kill_suidgid(self, ino: int, req: Request, fh: int | None = None) -> None:
+        """HANDLE_KILLPRIV_V2 (negotiated because it spares a GETXATTR round trip per
+        write): the kernel leaves dropping setuid/setgid on write, truncate and chown to
+        us (it flags only callers without CAP_FSETID)."""
+        a = self.vfs.getattr(ino, fh)
+        kill = stat.S_ISUID | (stat.S_ISGID if a.mode & stat.S_IXGRP else 0)
+        if a.mode & kill:
+            self.vfs.setattr(ino, req.ctx(), fh=fh, mode=a.mode & ~kill)
 
     def _undo_open(self, fh: int, ino: int | None = None):
         def undo():
@@ -173,6 +183,8 @@ class Ops:
         kw = {}
         if valid & proto.FATTR_MODE:
             kw["mode"] = mode
+        elif valid & proto.FATTR_KILL_SUIDGID:
+            self._kill_suidgid(req.nodeid, req, fh if valid & proto.FATTR_FH else None)
         if valid & proto.FATTR_UID:
             kw["uid"] = uid
         if valid & proto.FATTR_GID:
@@ -242,9 +254,13 @@ class Ops:
         return Reply([self._entry(a), open_out], self._undo_open(fh, a.ino))
 
     def open(self, req: Request):
-        flags = proto.OPEN_IN.unpack_from(req.body)[0]
+        flags, open_flags = proto.OPEN_IN.unpack_from(req.body)
         fh = self.vfs.open(req.nodeid, flags, req.ctx())
         try:
+            # Under passthrough we never see the writes that should drop setuid/setgid
+            # (HANDLE_KILLPRIV_V2 leaves that to us), so an unprivileged write open does.
+            if open_flags & proto.OPEN_KILL_SUIDGID or (req.uid != 0 and _writable(flags)):
+                self._kill_suidgid(req.nodeid, req, fh)
             out = self._open_reply(req.nodeid, fh, flags)
         except BaseException:
             self._undo_open(fh)()
@@ -256,9 +272,11 @@ class Ops:
         return self.vfs.read(fh, offset, size)
 
     def write(self, req: Request):
-        fh, offset, size = proto.WRITE_IN.unpack_from(req.body)[:3]
+        fh, offset, size, write_flags = proto.WRITE_IN.unpack_from(req.body)[:4]
         start = proto.WRITE_IN.size
         n = self.vfs.write(fh, offset, req.body[start:start + size])
+        if write_flags & proto.WRITE_KILL_SUIDGID:
+            self._kill_suidgid(req.nodeid, req, fh)
         return proto.WRITE_OUT.pack(n, 0)
 
     def flush(self, req: Request):

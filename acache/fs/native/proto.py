@@ -41,6 +41,7 @@ READDIRPLUS_AUTO = 1 << 14
 WRITEBACK_CACHE = 1 << 16
 PARALLEL_DIROPS = 1 << 18
 MAX_PAGES = 1 << 22
+HANDLE_KILLPRIV_V2 = 1 << 28   # sets SB_NOSEC: no GETXATTR(security.capability) per write
 INIT_EXT = 1 << 30
 PASSTHROUGH = 1 << 37     # flags2 bit 5
 
@@ -53,6 +54,9 @@ FSYNC_FDATASYNC = 1 << 0
 FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 FATTR_ATIME, FATTR_MTIME, FATTR_FH = 1 << 4, 1 << 5, 1 << 6
 FATTR_ATIME_NOW, FATTR_MTIME_NOW = 1 << 7, 1 << 8
+FATTR_KILL_SUIDGID = 1 << 11
+WRITE_KILL_SUIDGID = 1 << 2
+OPEN_KILL_SUIDGID = 1 << 0
 FILESYSTEM_MAX_STACK_DEPTH = 2
 
 # --- /dev/fuse ioctls: _IOW(229, nr, size) -------------------------------------------------
@@ -182,8 +186,10 @@ def negotiate_init(payload: bytes | memoryview, *, passthrough: bool, max_stack_
     if kflags & INIT_EXT:
         kflags |= kflags2 << 32
     minor = min(kminor, OUR_MINOR)
+    # HANDLE_KILLPRIV_V2: without it the kernel asks for security.capability before
+    # every write (file_remove_privs), one round trip per write even under passthrough.
     want = (ASYNC_READ | ATOMIC_O_TRUNC | BIG_WRITES | AUTO_INVAL_DATA | PARALLEL_DIROPS
-            | MAX_PAGES | INIT_EXT)
+            | MAX_PAGES | HANDLE_KILLPRIV_V2 | INIT_EXT)
     if readdirplus:
         want |= DO_READDIRPLUS | READDIRPLUS_AUTO
     if writeback_cache:
