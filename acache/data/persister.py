@@ -56,6 +56,7 @@ class Persister:
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-stage")
         self.concurrency = concurrency
         self.urgent_seq = 0
+        self._applying = 0                      # seq of the entry being applied right now
         self.gc: Callable[[int, int], None] = lambda ino, gen: None
         self.on_applied: Callable[[Entry], None] = lambda e: None
         self._retry_at: dict[int, float] = {}   # seq -> monotonic time of the next try
@@ -70,6 +71,8 @@ class Persister:
 
     # -- Inflight, for the journal rules (called under the lock) -------------------
     def state(self, seq: int) -> str:
+        if seq == self._applying:   # a rename/delete/mkdir/rmdir as much as a put
+            return "committing"
         job = self.jobs.get(seq)
         if job is None:
             return ""
@@ -154,6 +157,7 @@ class Persister:
                 job = self.jobs.get(head.seq)
                 if job is not None:
                     job.state = "committing"
+                self._applying = head.seq   # from now on the journal rules may not cancel it
             try:
                 self._apply(head, job)
             except UnderStoreError as e:
@@ -161,6 +165,9 @@ class Persister:
             except Exception as e:   # a bug or an unexpected OS error: keep the entry, retry
                 log.exception("persisting seq %d (%s %s) failed", head.seq, head.op, head.path)
                 self._failed(head, UnderStoreError(f"{type(e).__name__}: {e}", retryable=True))
+            finally:
+                with self.lock:
+                    self._applying = 0
 
     def _schedule(self) -> float:
         """Start stages that are due; return how long to sleep at most."""

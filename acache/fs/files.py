@@ -128,7 +128,15 @@ class FileOps:
                 self.cache.touch(ino)
                 return self._new_handle(node, False)
             old_gen = node.gen
-            if self.meta.gen_pending(ino, node.gen) or self.persister.uses(ino, node.gen) \
+            txn = self.meta.txn()
+            if self._gen_writers(ino, node.gen):
+                # others write this generation still (their FLUSH came without a RELEASE:
+                # a fork, a dup'd fd): one generation for all writers, never two
+                journal.on_reopen(self.meta, txn, self.persister, node)
+                self._sig.pop(ino, None)   # its next close journals it, changed or not
+                if trunc:
+                    os.truncate(self.cache.path(ino, node.gen), 0)
+            elif self.meta.gen_pending(ino, node.gen) or self.persister.uses(ino, node.gen) \
                     or not node.cached:
                 node.gen += 1
                 if trunc or not node.cached:
@@ -141,7 +149,6 @@ class FileOps:
             if trunc:
                 node.size = 0
                 node.mtime_ns = node.ctime_ns = time.time_ns()
-            txn = self.meta.txn()
             node.dirty = True
             txn.save(node)
             txn.commit()
@@ -197,19 +204,33 @@ class FileOps:
         h = self._handle(fh)
         if not h.writable:
             raise FsError(errno.EBADF)
-        n = os.pwrite(h.fd, data, offset)
         if h.closed:   # written again through a dup'd descriptor after a close
-            with self.lock:
-                h.closed = False
-                self._writers.setdefault(h.ino, set()).add(fh)
-                node = self.meta.get(h.ino)
-                if node is not None and not node.dirty:
-                    node.dirty = True
-                    txn = self.meta.txn()
-                    txn.save(node)
-                    txn.commit()
+            self._written_after_close(h)
+        n = os.pwrite(h.fd, data, offset)
         self.cache.grow(h.ino, h.gen, offset + n)
         return n
+
+    def _gen_writers(self, ino: int, gen: int) -> bool:
+        return bool(self._wopen.get(ino)) and any(
+            h.writable and h.ino == ino and h.gen == gen for h in self._handles.values())
+
+    def _written_after_close(self, h: Handle) -> None:
+        """A FLUSH (close(2) of one descriptor: a dup, the copy a fork+exec closed) made
+        the file look closed, yet its owner writes on: it is open for writing again, and
+        what that close journaled is not its content (before the bytes change)."""
+        with self.lock:
+            if not h.closed:
+                return
+            h.closed = False
+            self._writers.setdefault(h.ino, set()).add(h.fh)
+            node = self.meta.get(h.ino)
+            if node is not None and node.gen == h.gen:
+                txn = self.meta.txn()
+                journal.on_reopen(self.meta, txn, self.persister, node)
+                self._sig.pop(h.ino, None)   # its next close journals it, changed or not
+                node.dirty = True
+                txn.save(node)
+                txn.commit()
 
     # -- close ------------------------------------------------------------------------------
     def flush(self, fh: int) -> None:
@@ -292,6 +313,8 @@ class FileOps:
         """truncate(2)/ftruncate(2): through an open write handle, or as open+close."""
         if fh is not None and fh in self._handles and self._handles[fh].writable:
             h = self._handles[fh]
+            if h.closed:
+                self._written_after_close(h)
             os.ftruncate(h.fd, size)
             return
         with self.lock:

@@ -316,7 +316,8 @@ class VFS(FileOps):
                                                     append=False)
                 self._unlink_node(txn, parent_new, name_new, dst)
             lands = journal.on_rename(self.meta, txn, self.persister, src, old_path, new_path,
-                                      atomic_dirs=self.under.atomic_dir_rename)
+                                      atomic_dirs=self.under.atomic_dir_rename,
+                                      replaces_remote=replaced_remote)
             if replaced_remote and not lands:
                 txn.append(op="rmdir" if dst.is_dir else "delete", path=new_path, ino=dst.ino)
             txn.unlink(parent_old, name_old)

@@ -45,11 +45,28 @@ def _cancel(txn: Txn, inflight: Inflight, e: Entry) -> None:
 
 def journal_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> Entry:
     """The file was closed: commit its current generation at its current path."""
+    replaces = False
     for old in meta.puts_of(node.ino):
         if inflight.state(old.seq) == "":
+            replaces = replaces or old.replaces
             _cancel(txn, inflight, old)
     return txn.append(op="put", path=meta.path_of(node.ino), ino=node.ino, gen=node.gen,
-                      size=node.size)
+                      size=node.size, replaces=replaces)
+
+
+def on_reopen(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> None:
+    """Writers still hold ``node``'s journaled generation open: close(2) sends FLUSH
+    for every descriptor, so a fork+exec or a dup'd fd "closes" a file its owner goes
+    on writing.  Its pending PUTs are not its final content: cancel those not yet
+    committing (a commit has its bytes already); the next close journals it again,
+    and ``node.dirty`` re-journals it after a crash before that."""
+    replaces = False
+    for e in meta.puts_of(node.ino):
+        if e.gen == node.gen and inflight.state(e.seq) != "committing":
+            replaces = replaces or e.replaces
+            _cancel(txn, inflight, e)
+    if replaces and node.upath is None:   # the replaced file's object goes where it went
+        txn.append(op="delete", path=meta.path_of(node.ino), ino=node.ino)
 
 
 def _subtree(meta: MetaStore, node: Inode) -> list[Inode]:
@@ -67,14 +84,16 @@ def on_delete(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode, path: 
     """``node`` (a file, or an empty directory) is going away from ``path``.
     Returns whether the under-storage may hold it (then a DELETE/RMDIR is
     appended, unless ``append`` is False and the caller takes care of it)."""
-    committing = False
+    committing = replaces = False
     for e in list(meta.journal()):
         if e.ino == node.ino and e.op in ("put", "mkdir"):
             if inflight.state(e.seq) == "committing":
                 committing = True
             else:
+                replaces = replaces or e.replaces
                 _cancel(txn, inflight, e)
-    remote = node.upath is not None or committing
+    # replaces: the object of a file this one replaced by rename is still there
+    remote = node.upath is not None or committing or replaces
     if not remote:   # a directory renamed before anything of it landed: nothing to move
         for e in list(meta.journal()):
             if e.ino == node.ino and e.op == "rename" and inflight.state(e.seq) != "committing":
@@ -85,10 +104,12 @@ def on_delete(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode, path: 
 
 
 def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
-              old: str, new: str, atomic_dirs: bool = False) -> bool:
+              old: str, new: str, atomic_dirs: bool = False, replaces_remote: bool = False) -> bool:
     """``node`` moves from ``old`` to ``new``.  Returns True when an entry now
     lands at ``new`` (so a replaced target needs no DELETE of its own).
-    ``atomic_dirs``: the under-storage renames a directory in one step."""
+    ``atomic_dirs``: the under-storage renames a directory in one step.
+    ``replaces_remote``: the rename replaces a target the under-storage holds; an
+    entry landing at ``new`` is marked so that cancelling it deletes that object."""
     sub = _subtree(meta, node)
     inos = {n.ino for n in sub}
     mine = [e for e in meta.journal() if e.ino in inos and e.op in ("put", "mkdir")]
@@ -101,9 +122,15 @@ def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
         txn.append(op="rename", path=old, dst=new, ino=node.ino, inos=sorted(inos))
         return True
     moved = False
+    # objects of replaced targets that moved entries were to land on stay at the old
+    # names: remove them there (deepest first) before anything lands at the new ones
+    for e in sorted((e for e in mine if e.replaces), key=lambda e: -meta.path_of(e.ino).count("/")):
+        txn.append(op="delete" if e.op == "put" else "rmdir", path=meta.path_of(e.ino), ino=e.ino)
     for e in mine:
         _cancel(txn, inflight, e)
         path = new + meta.path_of(e.ino)[len(old):]   # e.path may predate an ancestor's rename
-        txn.append(op=e.op, path=path, ino=e.ino, gen=e.gen, size=e.size)
-        moved = moved or path == new
+        lands = path == new
+        txn.append(op=e.op, path=path, ino=e.ino, gen=e.gen, size=e.size,
+                   replaces=lands and replaces_remote)
+        moved = moved or lands
     return moved

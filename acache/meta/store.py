@@ -79,6 +79,8 @@ class Entry:
     t: float = 0.0            # when it was journaled (flush delay counts from here)
     token: str = ""           # a stage in progress (cleaned up after a crash)
     inos: list = field(default_factory=list)
+    replaces: bool = False    # put/mkdir landing on the object of a file/dir it replaced by
+                              # rename: cancelling it must delete that object (journal.py)
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self), use_bin_type=True)
