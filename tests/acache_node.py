@@ -67,10 +67,14 @@ class AcacheNode:
         return json.loads(self.cli(*args).stdout)
 
     def pid(self) -> int | None:
-        p = self.cli("status", "--json", check=False)
-        if p.returncode != 0:
+        """The daemon's pid (asked over its socket: no CLI start-up), None if none runs."""
+        from acache.errors import AcacheError
+        from acache.node.client import Client
+        try:
+            with Client(self.home / "acache.sock", timeout=10) as c:
+                return c.call("ping")["pid"]
+        except (AcacheError, OSError):
             return None
-        return json.loads(p.stdout)["pid"]
 
     def kill9(self) -> None:
         pid = self.pid()

@@ -1,4 +1,5 @@
 import os
+import re
 
 import pytest
 
@@ -61,3 +62,55 @@ def make_node(tmp_path, engine):
         n.stop()
     left = [m for m in fuse_mounts() if m.startswith(str(tmp_path))]
     assert not left, f"mounts left behind: {left}"
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def shared_node(request, tmp_path_factory):
+    """One node + mount for a whole test module (per engine): tests that need no
+    special settings use a directory of it each (the ``space`` fixture)."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.fail("e2e tests need /dev/fuse and root")
+    if request.param == "native" and not _native_available():
+        pytest.fail("the native engine does not import")
+    n = AcacheNode(tmp_path_factory.mktemp("shared"), engine=request.param)
+    try:
+        n.start()
+    except BaseException:
+        n.stop()
+        raise
+    yield n
+    n.stop()
+    assert str(n.mnt) not in fuse_mounts(), f"{n.mnt} is still mounted after the tests"
+
+
+class Space:
+    """A test's own directory on a shared node; paths and the barrier are scoped to it."""
+
+    def __init__(self, node: AcacheNode, name: str) -> None:
+        self.node, self.name = node, name
+        self.mnt = node.mnt / name
+        self.ufs_dir = node.ufs_dir / name
+        self.mnt.mkdir()
+
+    def flush(self, timeout: float = 120) -> None:
+        """`acache flush --wait <this directory>`."""
+        self.node.flush(str(self.mnt), timeout=timeout)
+
+    def ufs_files(self) -> dict[str, bytes]:
+        out = {}
+        for p in sorted(self.ufs_dir.rglob("*")):
+            if p.is_file():
+                out[str(p.relative_to(self.ufs_dir))] = p.read_bytes()
+        return out
+
+    def cli(self, *args, **kw):
+        return self.node.cli(*args, **kw)
+
+    def status(self, path: str | None = None) -> dict:
+        return self.node.status(path)
+
+
+@pytest.fixture
+def space(shared_node, request):
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:120]
+    return Space(shared_node, name)

@@ -30,11 +30,11 @@ def _race(path: str, idx: int, barrier, out) -> None:
         out.put((idx, res, e.errno))
 
 
-def test_racing_mkdir_and_creates(node):
+def test_racing_mkdir_and_creates(space):
     ctx = multiprocessing.get_context("fork")
     nproc = 12
     for round_ in range(4):
-        d = str(node.mnt / f"ckpt-{round_}")
+        d = str(space.mnt / f"ckpt-{round_}")
         barrier = ctx.Barrier(nproc)
         q = ctx.Queue()
         procs = [ctx.Process(target=_race, args=(d, i, barrier, q)) for i in range(nproc)]
@@ -48,19 +48,19 @@ def test_racing_mkdir_and_creates(node):
         assert all(e == errno.EEXIST for e in mk if e), mk
         assert all(r[2] == 0 for r in res), res
         assert sorted(os.listdir(d)) == sorted(f"rank{i}.pt" for i in range(nproc))
-    node.flush()
-    ufs = ufs_real(node.ufs_files())
+    space.flush()
+    ufs = ufs_real(space.ufs_files())
     assert len(ufs) == 4 * nproc
     assert ufs["ckpt-3/rank5.pt"] == pattern(64_005, 5)
 
 
-def test_mmap_private_after_close(node):
+def test_mmap_private_after_close(space):
     data = pattern((3 << 20) + 17, 4)
-    p = node.mnt / "model.safetensors"
+    p = space.mnt / "model.safetensors"
     p.write_bytes(data)
     for persisted in (False, True):
         if persisted:
-            node.flush()
+            space.flush()
         fd = os.open(p, os.O_RDONLY)
         m = mmap.mmap(fd, 0, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)            # safetensors closes the file right after mapping it
@@ -94,8 +94,8 @@ def test_exact_size_while_dirty(make_node):
     assert os.stat(p).st_size == total + 1001
 
 
-def test_mode_uid_gid_chmod_utime(node):
-    p = node.mnt / "secret.safetensors"
+def test_mode_uid_gid_chmod_utime(space):
+    p = space.mnt / "secret.safetensors"
     old = os.umask(0o022)
     try:
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -114,12 +114,12 @@ def test_mode_uid_gid_chmod_utime(node):
     os.utime(p, ns=(1_000_000_000_123, 2_000_000_000_456))
     s = os.stat(p)
     assert s.st_atime_ns == 1_000_000_000_123 and s.st_mtime_ns == 2_000_000_000_456
-    d = node.mnt / "d"
+    d = space.mnt / "d"
     os.mkdir(d, 0o700)
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     os.chmod(d, 0o751)
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o751
-    node.flush()              # persisting changes nothing of it
+    space.flush()              # persisting changes nothing of it
     s = os.stat(p)
     assert stat.S_IMODE(s.st_mode) == 0o640 and (s.st_uid, s.st_gid) == (1234, 42)
     assert s.st_mtime_ns == 2_000_000_000_456
@@ -131,8 +131,8 @@ def test_mode_uid_gid_chmod_utime(node):
     assert os.stat(p).st_mtime_ns == 6_000_000_000
 
 
-def test_mtime_advances_file_and_directory(node):
-    d = node.mnt / "ckpts"
+def test_mtime_advances_file_and_directory(space):
+    d = space.mnt / "ckpts"
     d.mkdir()
     stamps = []
     for i in range(3):
@@ -159,11 +159,11 @@ def test_mtime_advances_file_and_directory(node):
     assert os.stat(d).st_mtime_ns > before, "directory mtime must advance on unlink"
 
 
-def test_getxattr_unknown_is_enodata_fast(node):
-    p = node.mnt / "f"
+def test_getxattr_unknown_is_enodata_fast(space):
+    p = space.mnt / "f"
     p.write_bytes(b"x")
     t0 = time.monotonic()
-    for target in (p, node.mnt):
+    for target in (p, space.mnt):
         for name in ("security.capability", "system.posix_acl_access", "user.foo",
                      "trusted.x", "user.acache.other"):
             for _ in range(20):

@@ -83,12 +83,12 @@ def test_flush_timeout_with_file_open_for_writing(make_node):
     assert ufs_real(n.ufs_files()) == {"done": b"done", "held.pt": b"x" * 1000}
 
 
-def test_flush_path_outside_mount_and_bad_options(node, tmp_path):
-    p = node.cli("flush", "--wait", str(tmp_path), check=False)
+def test_flush_path_outside_mount_and_bad_options(space, tmp_path):
+    p = space.cli("flush", "--wait", str(tmp_path), check=False)
     one_line_error(p)
-    p = node.cli("status", "/nonexistent/elsewhere", check=False)
+    p = space.cli("status", "/nonexistent/elsewhere", check=False)
     one_line_error(p)
-    p = node.cli("up", "--cache-size", "lots", check=False)   # already running: still checked?
+    p = space.cli("up", "--cache-size", "lots", check=False)   # already running: still checked?
     assert "Traceback" not in p.stderr
 
 

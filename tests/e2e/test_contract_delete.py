@@ -59,22 +59,22 @@ def test_rmtree_while_persisting_never_resurrects(make_node):
     assert not (n.ufs_dir / "ckpt").exists()
 
 
-def test_unlink_persisted_and_recreate(node):
-    m = node.mnt
+def test_unlink_persisted_and_recreate(space):
+    m = space.mnt
     (m / "d").mkdir()
     (m / "d" / "f").write_bytes(b"one")
-    node.flush()
+    space.flush()
     os.unlink(m / "d" / "f")
     (m / "d" / "f").write_bytes(b"two")      # same name, new file
     os.unlink(m / "d" / "f")
     os.rmdir(m / "d")
-    node.flush()
-    assert ufs_real(node.ufs_files()) == {}
-    assert os.listdir(node.ufs_dir) == []
+    space.flush()
+    assert ufs_real(space.ufs_files()) == {}
+    assert os.listdir(space.ufs_dir) == []
     (m / "d").mkdir()
     (m / "d" / "f").write_bytes(b"three")
-    node.flush()
-    assert ufs_real(node.ufs_files()) == {"d/f": b"three"}
+    space.flush()
+    assert ufs_real(space.ufs_files()) == {"d/f": b"three"}
 
 
 def test_deleted_files_stay_deleted_after_crash(make_node):

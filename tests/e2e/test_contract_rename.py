@@ -41,8 +41,8 @@ def test_rename_onto_existing_file_dcp_metadata(make_node, persisted_target):
     assert ufs_real(n.ufs_files()) == {"step-1/.metadata": new}
 
 
-def test_rename_safetensors_mkstemp_to_final(node):
-    d = node.mnt / "hf"
+def test_rename_safetensors_mkstemp_to_final(space):
+    d = space.mnt / "hf"
     d.mkdir()
     final = d / "model.safetensors"
     final.write_bytes(b"v0")
@@ -57,8 +57,8 @@ def test_rename_safetensors_mkstemp_to_final(node):
         assert final.read_bytes() == data
         assert os.listdir(d) == ["model.safetensors"]
         assert os.stat(final).st_mode & 0o777 == 0o600
-    node.flush()
-    assert ufs_real(node.ufs_files()) == {"hf/model.safetensors": data}
+    space.flush()
+    assert ufs_real(space.ufs_files()) == {"hf/model.safetensors": data}
 
 
 @pytest.mark.parametrize("persisted", [False, True])
@@ -89,8 +89,8 @@ def test_rename_populated_directory(make_node, persisted):
     assert ufs_real(n.ufs_files()) == {f"back/{k}": v for k, v in files.items()}
 
 
-def test_rename_posix_errors(node):
-    m = node.mnt
+def test_rename_posix_errors(space):
+    m = space.mnt
     (m / "d1" / "x").mkdir(parents=True)
     (m / "d1" / "x" / "f").write_bytes(b"f")
     (m / "d2").mkdir()
@@ -118,13 +118,13 @@ def test_rename_posix_errors(node):
     os.rename(m / "file", m / "empty" / "file")
     os.rename(m / "empty" / "file", m / "empty" / "file")   # onto itself: nothing
     assert (m / "empty" / "x" / "f").read_bytes() == b"g"
-    node.flush()
-    assert ufs_real(node.ufs_files()) == {"empty/x/f": b"g", "empty/file": b"file"}
-    assert sorted(os.listdir(node.ufs_dir)) == ["d2", "empty"]
+    space.flush()
+    assert ufs_real(space.ufs_files()) == {"empty/x/f": b"g", "empty/file": b"file"}
+    assert sorted(os.listdir(space.ufs_dir)) == ["d2", "empty"]
 
 
-def test_rename_noreplace(node):
-    m = node.mnt
+def test_rename_noreplace(space):
+    m = space.mnt
     (m / "a").write_bytes(b"a")
     (m / "b").write_bytes(b"b")
     with pytest.raises(OSError) as ei:
@@ -133,8 +133,8 @@ def test_rename_noreplace(node):
     assert (m / "a").read_bytes() == b"a" and (m / "b").read_bytes() == b"b"
     renameat2(m / "a", m / "c", RENAME_NOREPLACE)
     assert sorted(os.listdir(m)) == ["b", "c"]
-    node.flush()
-    assert ufs_real(node.ufs_files()) == {"b": b"b", "c": b"a"}
+    space.flush()
+    assert ufs_real(space.ufs_files()) == {"b": b"b", "c": b"a"}
 
 
 def test_rename_unpersisted_costs_no_traffic_for_old_name(make_node):
@@ -164,19 +164,19 @@ def test_rename_of_file_while_persisting_leaves_one_name(make_node):
     assert sorted(ufs_real(n.ufs_files())) == [f"f{i}" for i in range(6)]
 
 
-def test_rename_dir_then_rmtree_old_contents(node):
+def test_rename_dir_then_rmtree_old_contents(space):
     """Rotation as HF Trainer does: save to checkpoint-N, later rmtree the oldest."""
-    m = node.mnt
+    m = space.mnt
     for step in (1, 2, 3):
         d = m / f"checkpoint-{step}"
         d.mkdir()
         (d / "model.safetensors").write_bytes(pattern(500_000, step))
         (d / "trainer_state.json").write_text(f'{{"step": {step}}}')
         if step == 2:
-            node.flush()
+            space.flush()
     shutil.rmtree(m / "checkpoint-1")
     shutil.rmtree(m / "checkpoint-2")
-    node.flush()
-    assert sorted(ufs_real(node.ufs_files())) == ["checkpoint-3/model.safetensors",
+    space.flush()
+    assert sorted(ufs_real(space.ufs_files())) == ["checkpoint-3/model.safetensors",
                                                   "checkpoint-3/trainer_state.json"]
-    assert sorted(os.listdir(node.ufs_dir)) == ["checkpoint-3"]
+    assert sorted(os.listdir(space.ufs_dir)) == ["checkpoint-3"]

@@ -50,31 +50,39 @@ def test_otrunc_while_persisting(make_node):
     assert ufs_real(n.ufs_files()) == {"big.bin": final}
 
 
-@pytest.mark.parametrize("size", [64, 4096, 65537, (1 << 20) + 3, 32 << 20])
-def test_sequential_writes(node, size):
-    data = pattern(size, size)
-    p = node.mnt / f"seq-{size}"
-    with open(p, "wb") as f:               # writes of assorted sizes
-        off, step = 0, 1
-        while off < size:
-            k = min(step, size - off)
-            f.write(data[off:off + k])
-            off += k
-            step = step * 7 % 3_000_001 + 1
-    assert os.stat(p).st_size == size
-    assert p.read_bytes() == data
-    cp = node.mnt / f"cp-{size}"
-    subprocess.run(["cp", str(p), str(cp)], check=True)
-    assert cp.read_bytes() == data
-    node.flush()
-    ufs = ufs_real(node.ufs_files())
-    assert ufs[f"seq-{size}"] == data and ufs[f"cp-{size}"] == data
+SIZES = [64, 4096, 65537, (1 << 20) + 3, 32 << 20]
 
 
-def test_writes_at_earlier_offsets(node):
+def test_sequential_writes(space):
+    want = {}
+    for size in SIZES:
+        data = pattern(size, size)
+        p = space.mnt / f"seq-{size}"
+        with open(p, "wb") as f:               # writes of assorted sizes
+            off, step = 0, 1
+            while off < size:
+                k = min(step, size - off)
+                f.write(data[off:off + k])
+                off += k
+                step = step * 7 % 3_000_001 + 1
+        assert os.stat(p).st_size == size
+        assert p.read_bytes() == data
+        cp = space.mnt / f"cp-{size}"
+        subprocess.run(["cp", str(p), str(cp)], check=True)
+        assert cp.read_bytes() == data
+        want[f"seq-{size}"] = want[f"cp-{size}"] = data
+    dd = space.mnt / "dd.bin"
+    subprocess.run(["dd", f"if={space.mnt / 'cp-1048579'}", f"of={dd}", "bs=64k", "status=none"],
+                   check=True)
+    want["dd.bin"] = want["cp-1048579"]
+    space.flush()
+    assert ufs_real(space.ufs_files()) == want
+
+
+def test_writes_at_earlier_offsets(space):
     size = 3 << 20
     model = bytearray(pattern(size, 3))
-    p = node.mnt / "rw.bin"
+    p = space.mnt / "rw.bin"
     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.write(fd, model)
     for off, n in [(0, 10), (100, 5000), (size - 7, 7), (1 << 20, 1 << 20), (4095, 2)]:
@@ -91,12 +99,12 @@ def test_writes_at_earlier_offsets(node):
         f.write(b"patched")
     model[2 << 20:(2 << 20) + 7] = b"patched"
     assert p.read_bytes() == bytes(model)
-    node.flush()
-    assert ufs_real(node.ufs_files())["rw.bin"] == bytes(model)
+    space.flush()
+    assert ufs_real(space.ufs_files())["rw.bin"] == bytes(model)
 
 
-def test_append(node):
-    p = node.mnt / "log.txt"
+def test_append(space):
+    p = space.mnt / "log.txt"
     want = b""
     for i in range(20):
         line = f"line {i}\n".encode() * (i + 1)
@@ -104,7 +112,7 @@ def test_append(node):
             f.write(line)
         want += line
         if i == 10:
-            node.flush()     # appending to an already persisted file
+            space.flush()     # appending to an already persisted file
     fd = os.open(p, os.O_WRONLY | os.O_APPEND)
     os.pwrite(fd, b"", 0)
     os.lseek(fd, 0, os.SEEK_SET)           # O_APPEND writes at the end whatever the offset
@@ -114,17 +122,17 @@ def test_append(node):
     subprocess.run(f"echo -n shell >> {p}", shell=True, check=True)
     want += b"shell"
     assert p.read_bytes() == want
-    node.flush()
-    assert ufs_real(node.ufs_files())["log.txt"] == want
+    space.flush()
+    assert ufs_real(space.ufs_files())["log.txt"] == want
 
 
-def test_truncate_and_ftruncate(node):
+def test_truncate_and_ftruncate(space):
     d = pattern(2 << 20, 5)
-    p = node.mnt / "t.bin"
+    p = space.mnt / "t.bin"
     p.write_bytes(d)
     os.truncate(p, 1000)                    # truncate(2) of a closed, dirty file
     assert os.stat(p).st_size == 1000 and p.read_bytes() == d[:1000]
-    node.flush()
+    space.flush()
     os.truncate(p, 10)                      # of a persisted file
     assert p.read_bytes() == d[:10]
     os.truncate(p, 50)                      # extending: zeros
@@ -138,15 +146,15 @@ def test_truncate_and_ftruncate(node):
     assert p.read_bytes() == b"abZ"
     subprocess.run(["truncate", "-s", "6", str(p)], check=True)
     assert p.read_bytes() == b"abZ\0\0\0"
-    node.flush()
-    assert ufs_real(node.ufs_files()) == {"t.bin": b"abZ\0\0\0"}
+    space.flush()
+    assert ufs_real(space.ufs_files()) == {"t.bin": b"abZ\0\0\0"}
 
 
-def test_safetensors_ftruncate_then_write_inside(node):
+def test_safetensors_ftruncate_then_write_inside(space):
     """safetensors: create, ftruncate to the final size, then write the pieces in place."""
     size = (5 << 20) + 321
     data = pattern(size, 6)
-    p = node.mnt / "model.safetensors"
+    p = space.mnt / "model.safetensors"
     fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     os.ftruncate(fd, size)
     assert os.fstat(fd).st_size == size and os.stat(p).st_size == size
@@ -162,8 +170,8 @@ def test_safetensors_ftruncate_then_write_inside(node):
         m.close()
     os.close(fd)
     assert p.read_bytes() == data
-    node.flush()
-    assert ufs_real(node.ufs_files())["model.safetensors"] == data
+    space.flush()
+    assert ufs_real(space.ufs_files())["model.safetensors"] == data
     # and once more over the persisted file, with truncate to 0 then extend
     data2 = pattern(size - 5, 7)
     fd = os.open(p, os.O_RDWR)
@@ -173,21 +181,21 @@ def test_safetensors_ftruncate_then_write_inside(node):
         os.pwrite(fd, data2[off:off + (1 << 20)], off)
     os.close(fd)
     assert p.read_bytes() == data2
-    node.flush()
-    assert ufs_real(node.ufs_files())["model.safetensors"] == data2
+    space.flush()
+    assert ufs_real(space.ufs_files())["model.safetensors"] == data2
 
 
-def test_ftruncate_extends_persisted_file(node):
+def test_ftruncate_extends_persisted_file(space):
     d = pattern(100_000, 8)
-    p = node.mnt / "grow.bin"
+    p = space.mnt / "grow.bin"
     p.write_bytes(d)
-    node.flush()
+    space.flush()
     with open(p, "r+b") as f:
         f.truncate(300_000)
     assert os.stat(p).st_size == 300_000
     assert p.read_bytes() == d + b"\0" * 200_000
-    node.flush()
-    assert ufs_real(node.ufs_files())["grow.bin"] == d + b"\0" * 200_000
+    space.flush()
+    assert ufs_real(space.ufs_files())["grow.bin"] == d + b"\0" * 200_000
 
 
 def test_fsync_durable_on_cache_tier_not_ufs(make_node):
