@@ -122,6 +122,7 @@ def run(a: argparse.Namespace, console: Console) -> int:
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
             "machine": machine(root), "engines": bench.engines}
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # even if started with it ignored
     complete, rc, t0 = False, 0, time.monotonic()
     try:
         console.rule(f"acache bench: cases {','.join(map(str, a.cases))}, size {a.size >> 20} MiB, "
