@@ -9,7 +9,8 @@
     stall_timeout = 300 s a writer waits for dirty space before ENOSPC
     chunk_size  = 8 MiB read-through fetch unit
     upload_concurrency = 4 files staged in parallel
-    [s3] endpoint, region, access_key, secret_key, addressing, part_size, concurrency
+    [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
+         concurrency, verify_tls, connect_timeout, read_timeout (acache.data.under.s3)
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from acache.errors import ConfigError
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
           "tib": 1 << 40}
-S3_KEYS = {"endpoint", "region", "access_key", "secret_key", "addressing", "part_size",
-           "concurrency", "verify_tls"}
+S3_KEYS = {"endpoint", "region", "access_key", "secret_key", "session_token", "addressing",
+           "part_size", "concurrency", "verify_tls", "connect_timeout", "read_timeout"}
 
 
 def parse_size(value: object, what: str = "size") -> int:

@@ -15,16 +15,24 @@ access is created and its key is in ``srv.access_key``/``srv.secret_key``;
 any other key is rejected (InvalidAccessKeyId / SignatureDoesNotMatch).
 Without it moto accepts any credentials.  ``tls=True`` serves https with a
 self-signed certificate (use verify_tls=False).
+
+What reached the server, for tests that count traffic: ``srv.requests()``
+(method, key, query) of every S3 request moto answered, from its request log;
+``srv.bytes_up`` / ``srv.bytes_down`` through the relay.  ``srv.throttle =
+bytes_per_second`` slows client-to-server traffic (all connections together)
+so that an upload is still running when a test kills something.
 """
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 
 import urllib3
 
@@ -37,11 +45,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Meter:
+    """Byte counters of the relay, and a rate limit on client-to-server bytes."""
+
+    def __init__(self) -> None:
+        self.up = self.down = 0
+        self.rate: float | None = None      # bytes/s upstream, None = unlimited
+        self._next = 0.0                     # when the link is free again
+        self._lock = threading.Lock()
+
+    def count(self, n: int, upstream: bool) -> None:
+        with self._lock:
+            if not upstream:
+                self.down += n
+                return
+            self.up += n
+            if not self.rate:
+                return
+            now = time.monotonic()
+            self._next = max(self._next, now) + n / self.rate
+            delay = self._next - now
+        if delay > 0:
+            time.sleep(delay)
+
+
 class _Relay:
     """Forward TCP connections from 127.0.0.1:port to 127.0.0.1:target."""
 
-    def __init__(self, port: int, target: int):
+    def __init__(self, port: int, target: int, meter: _Meter | None = None):
         self.port, self.target = port, target
+        self.meter = meter or _Meter()
         self._lsock: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -96,15 +129,16 @@ class _Relay:
                     b.close()
                     return
                 self._conns.update((c, b))
-            for x, y in ((c, b), (b, c)):
-                threading.Thread(target=self._pump, args=(x, y), daemon=True).start()
+            for x, y, up in ((c, b, True), (b, c, False)):
+                threading.Thread(target=self._pump, args=(x, y, up), daemon=True).start()
 
-    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+    def _pump(self, a: socket.socket, b: socket.socket, upstream: bool) -> None:
         try:
             while True:
                 data = a.recv(1 << 16)
                 if not data:
                     break
+                self.meter.count(len(data), upstream)
                 b.sendall(data)
         except OSError:
             pass
@@ -129,6 +163,7 @@ class S3Server:
         self.access_key, self.secret_key = "testing", "testing"
         self._proc: subprocess.Popen | None = None
         self._relay: _Relay | None = None
+        self._meter = _Meter()
         self._log = None
 
     # -- lifecycle -------------------------------------------------------------
@@ -148,7 +183,7 @@ class S3Server:
         if self._proc is None:
             self._spawn()
         if self._relay is None:
-            self._relay = _Relay(self.port, self.backend_port)
+            self._relay = _Relay(self.port, self.backend_port, self._meter)
             self._relay.start()
         return self
 
@@ -224,6 +259,44 @@ class S3Server:
         if r.status != 200:
             raise RuntimeError(f"moto refused to enable auth: {r.status} {r.data!r}")
 
+    # -- what reached the server ---------------------------------------------------
+    @property
+    def throttle(self) -> float | None:
+        return self._meter.rate
+
+    @throttle.setter
+    def throttle(self, bytes_per_second: float | None) -> None:
+        self._meter.rate = bytes_per_second
+
+    @property
+    def bytes_up(self) -> int:
+        return self._meter.up
+
+    @property
+    def bytes_down(self) -> int:
+        return self._meter.down
+
+    _REQ = re.compile(r'"([A-Z]+) (/[^ ?"]*)\??([^ "]*) HTTP/[0-9.]+" (\d+)')
+
+    def requests(self, bucket: str | None = None) -> list[tuple[str, str, str, int]]:
+        """(method, key, query, status) of every request moto logged for the bucket, in
+        order (a request is logged as it is answered).  Bucket-level requests (listings,
+        ListMultipartUploads) have key ''."""
+        from urllib.parse import unquote
+        bucket = bucket or self.bucket
+        if self._log is None:
+            return []
+        self._log.flush()
+        with open(self._log.name, errors="replace") as f:
+            text = re.sub(r"\x1b\[[0-9;]*m", "", f.read())   # werkzeug colours non-2xx lines
+        out = []
+        for m in self._REQ.finditer(text):
+            method, path, query, status = m.groups()
+            b, _, key = path.lstrip("/").partition("/")
+            if b == bucket:
+                out.append((method, unquote(key), query, int(status)))
+        return out
+
     # -- what tests use ----------------------------------------------------------
     def url(self, prefix: str = "") -> str:
         return f"s3://{self.bucket}/{prefix}" if prefix else f"s3://{self.bucket}"
@@ -247,6 +320,32 @@ class S3Server:
         return Minio(f"127.0.0.1:{self.port}", access_key=self.access_key,
                      secret_key=self.secret_key, secure=self.tls, region=self.region,
                      cert_check=not self.tls)
+
+    # -- credentials (auth=True) ----------------------------------------------------
+    @contextmanager
+    def _admin(self):
+        """boto3 IAM client on the backend, with moto's auth check off meanwhile."""
+        import boto3
+        http = urllib3.PoolManager(cert_reqs="CERT_NONE", retries=False)
+        base = f"{self.scheme}://127.0.0.1:{self.backend_port}"
+        with _quiet_tls():
+            http.request("POST", base + "/moto-api/reset-auth", body=b"1000000")
+            try:
+                yield boto3.client("iam", endpoint_url=base, region_name=self.region, verify=False,
+                                   aws_access_key_id="testing", aws_secret_access_key="testing")
+            finally:
+                http.request("POST", base + "/moto-api/reset-auth", body=b"0")
+
+    def new_key(self) -> tuple[str, str]:
+        """A second access key for the user (auth=True); the current one keeps working."""
+        with self._admin() as iam:
+            key = iam.create_access_key(UserName="acache")["AccessKey"]
+        return key["AccessKeyId"], key["SecretAccessKey"]
+
+    def revoke_key(self, access_key: str) -> None:
+        """Delete an access key: requests signed with it get InvalidAccessKeyId."""
+        with self._admin() as iam:
+            iam.delete_access_key(UserName="acache", AccessKeyId=access_key)
 
     def make_bucket(self, name: str) -> None:
         self.client().make_bucket(name)

@@ -283,8 +283,12 @@ class Persister:
         self.jobs.pop(e.seq, None)
         self._retry_at.pop(e.seq, None)
         self._attempts.pop(e.seq, None)
-        if self.failed.pop(e.seq, None) is not None and not self.failed:
-            self.last_error = ""
+        self.failed.pop(e.seq, None)
+        for s in [s for s in (*self._retry_at, *self.failed) if self.meta.entry(s) is None]:
+            self._retry_at.pop(s, None)   # cancelled while waiting for a retry
+            self.failed.pop(s, None)
+        if not self.failed and not self._retry_at:
+            self.last_error = ""          # nothing is failing or waiting for a retry any more
         txn = self.meta.txn()
         txn.remove_entry(e.seq)
         if e.op == "put":

@@ -445,7 +445,11 @@ class VFS(FileOps):
             txn = self.meta.txn()
             for e in self.meta.journal():
                 if e.token:
-                    self.under.cleanup(e.token)
+                    try:
+                        self.under.cleanup(e.token)
+                    except UnderStoreError as err:   # unreachable now: the token stays, and the
+                        log.warning("cleaning up after the stage of %s failed: %s", e.path, err)
+                        continue                     # store cleans up before it stages the path
                     e.token = ""
                     txn.update_entry(e)
                     out["stages"] += 1

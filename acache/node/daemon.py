@@ -57,9 +57,13 @@ class Node:
         try:
             self.under.check()
         except UnderStoreError as e:
-            msg = str(e) if "under-storage" in str(e) else \
-                f"under-storage {settings.ufs_url} is not usable: {e}"
-            raise ConfigError(msg) from None
+            if e.retryable:   # an outage: start anyway, so the job can write; the persister retries
+                log.warning("under-storage %s is unreachable for now (writes are cached and "
+                            "persisted when it is back): %s", settings.ufs_url, e)
+            else:             # bad credentials, missing bucket: refuse to start
+                msg = str(e) if "under-storage" in str(e) else \
+                    f"under-storage {settings.ufs_url} is not usable: {e}"
+                raise ConfigError(msg) from None
         self.kv = RocksKV(str(settings.cache_path / "meta"))
         self.meta = MetaStore(self.kv)
         self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
@@ -171,6 +175,7 @@ class Node:
             if e.seq in p.failed:
                 p.hurry(e.seq)
         total_bytes = None
+        hurried = t0
         while True:
             with meta.lock:
                 for ino in list(waiting_open):
@@ -201,6 +206,9 @@ class Node:
                     raise FlushError(f"timed out after {timeout:g}s: {what} not yet persisted"
                                      + (f"; last error: {p.last_error}" if p.last_error else ""))
                 p.cond.wait(0.25)
+            if time.monotonic() - hurried > 5.0:   # a waiting barrier: retry at least every 5 s
+                hurried = time.monotonic()          # (the backoff grows to 30 s), so the end of
+                p.hurry(target)                     # an outage is noticed soon
             if progress is not None:
                 progress(info)
 

@@ -13,7 +13,7 @@ the AWS variable shown; explicit keyword > ACACHE_S3_* > AWS_*):
                    taken together from the first layer that sets access_key
                    (none anywhere: anonymous requests)
     addressing     path | virtual | auto (default auto: virtual for AWS)
-    part_size      multipart part size, bytes (default 16 MiB, 5 MiB..5 GiB)
+    part_size      multipart part size, bytes or "16MiB" (default 16 MiB, 5 MiB..5 GiB)
     concurrency    parallel part uploads / copies per store (default 8)
     verify_tls     default true; SSL_CERT_FILE names a CA bundle
     connect_timeout, read_timeout   seconds (default 5 and 60)
@@ -37,6 +37,8 @@ Tokens are ``<uuid>\\n<path>``.  ``cleanup(token)`` aborts that stage's upload
 and every other multipart upload in progress on the path's key that no live
 stage of this store instance owns (after a crash the upload id was never
 recorded; the uploads of live stages, even of the same key, are left alone).
+A cleanup that fails (S3 unreachable) raises, and its key is cleaned again at
+the start of the next stage(), so an outage leaves no upload open.
 
 Renames are CopyObject (multipart UploadPartCopy above 5 GiB) then delete; a
 directory is moved object by object (in parallel), so an interrupted move is
@@ -70,6 +72,7 @@ from minio.deleteobjects import DeleteObject
 from minio.error import InvalidResponseError, S3Error, ServerError
 from minio.helpers import MAX_PART_SIZE, check_bucket_name
 
+from acache.config import parse_size
 from acache.data.under.base import UEntry
 from acache.data.under.file import NotFoundError, clean_path, name_of, os_error
 from acache.errors import ConfigError, PermanentError, TransientError, UnderStoreError
@@ -185,7 +188,7 @@ def resolve_options(kwargs: dict, env=None) -> dict:
     for k in _CREDS:
         out[k] = creds.get(k)
     try:
-        out["part_size"] = int(out["part_size"])
+        out["part_size"] = parse_size(out["part_size"], "s3:// part_size")
         out["concurrency"] = int(out["concurrency"])
         out["connect_timeout"] = float(out["connect_timeout"])
         out["read_timeout"] = float(out["read_timeout"])
@@ -299,6 +302,7 @@ class S3Store:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._inflight: dict[str, tuple[str, str | None]] = {}
+        self._unclean: set[str] = set()   # keys whose cleanup failed: retried before a stage
 
     # -- helpers -------------------------------------------------------------
     def _key(self, path: str) -> str:
@@ -434,6 +438,8 @@ class S3Store:
         if not path:
             raise PermanentError("cannot stage onto the root directory")
         self._token_path(token)
+        if self._unclean:
+            self._retry_cleanups()
         if size < self.part_size:
             try:
                 with open(src_path, "rb") as f:
@@ -521,25 +527,47 @@ class S3Store:
 
     def cleanup(self, token: str) -> None:
         """Abort this token's multipart upload, and any other upload in progress on
-        its key that no live stage of this instance owns (a crashed stage's)."""
+        its key that no live stage of this instance owns (a crashed stage's).
+        If that fails (S3 unreachable), the key is cleaned before the next stage."""
         key = self._key(self._token_path(token))
         with self._lock:
             own = self._inflight.pop(token, (key, None))[1]
+        try:
+            with self._errors("cleanup", key):
+                if own is not None:
+                    self.wire.abort(key, own)
+                self._abort_stale(key)
+        except UnderStoreError:
+            with self._lock:
+                self._unclean.add(key)
+            raise
+
+    def _abort_stale(self, key: str) -> bool:
+        """Abort the uploads on ``key`` that no live stage owns; False if it cannot tell."""
+        with self._lock:
             live = {u for k, u in self._inflight.values() if k == key}
-        with self._errors("cleanup", key):
-            if own is not None:
-                self.wire.abort(key, own)
-            if None in live:
-                return  # another stage of this key is creating its upload: can't tell apart
-            while True:
-                uploads, truncated = self.wire.uploads(key)
-                mine = [u for k, u in uploads if k == key]
-                stale = [u for u in mine if u not in live]
-                for upload_id in stale:
-                    self.wire.abort(key, upload_id)
-                # this key's uploads sort first; a full page of them means: list again
-                if not (truncated and stale and len(mine) == len(uploads)):
-                    return
+        if None in live:
+            return False  # another stage of this key is creating its upload: can't tell apart
+        while True:
+            uploads, truncated = self.wire.uploads(key)
+            mine = [u for k, u in uploads if k == key]
+            stale = [u for u in mine if u not in live]
+            for upload_id in stale:
+                self.wire.abort(key, upload_id)
+            # this key's uploads sort first; a full page of them means: list again
+            if not (truncated and stale and len(mine) == len(uploads)):
+                return True
+
+    def _retry_cleanups(self) -> None:
+        """Clean the keys whose cleanup failed earlier (raises while S3 is unreachable)."""
+        with self._lock:
+            keys = list(self._unclean)
+        for key in keys:
+            with self._errors("cleanup", key):
+                done = self._abort_stale(key)
+            if done:
+                with self._lock:
+                    self._unclean.discard(key)
 
     def rename(self, src: str, dst: str) -> None:
         sk, dk = self._key(src), self._key(dst)
