@@ -147,7 +147,13 @@ class Persister:
             with self.lock:
                 if self._stop:
                     return
-                timeout = self._schedule()
+                try:
+                    timeout = self._schedule()
+                except Exception as e:   # a bug: never let the one persister thread die
+                    log.exception("scheduling uploads failed (retrying in 1 s)")
+                    self.last_error = f"internal error scheduling uploads: {type(e).__name__}: {e}"
+                    self.cond.wait(1.0)
+                    continue
                 head = self.meta.journal()[:1]
                 head = head[0] if head else None
                 ready = head is not None and self._head_ready(head)

@@ -28,6 +28,7 @@ from acache.meta import schema as K
 from acache.meta.kv import KV
 
 ROOT_INO = 1
+_NAMES = "surrogateescape"   # paths are str decoded with surrogateescape: any bytes
 log = logging.getLogger("acache.meta")
 
 
@@ -56,11 +57,11 @@ class Inode:
         return st.S_ISDIR(self.mode)
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
+        return msgpack.packb(asdict(self), use_bin_type=True, unicode_errors=_NAMES)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Inode":
-        return cls(**msgpack.unpackb(raw, raw=False))
+        return cls(**msgpack.unpackb(raw, raw=False, unicode_errors=_NAMES))
 
 
 @dataclass
@@ -83,11 +84,11 @@ class Entry:
                               # rename: cancelling it must delete that object (journal.py)
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
+        return msgpack.packb(asdict(self), use_bin_type=True, unicode_errors=_NAMES)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Entry":
-        return cls(**msgpack.unpackb(raw, raw=False))
+        return cls(**msgpack.unpackb(raw, raw=False, unicode_errors=_NAMES))
 
     def touches(self, prefix: str) -> bool:
         """Does this entry change anything at or under ``prefix`` ('' = all)?"""

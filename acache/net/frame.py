@@ -14,7 +14,7 @@ MAX_FRAME = 64 << 20
 
 
 def send(sock: socket.socket, obj: dict) -> None:
-    body = msgpack.packb(obj, use_bin_type=True)
+    body = msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogateescape")
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
@@ -32,4 +32,4 @@ def recv(sock: socket.socket) -> dict:
     (n,) = _LEN.unpack(_exact(sock, 4))
     if n > MAX_FRAME:
         raise ConnectionError(f"frame of {n} bytes is too large")
-    return msgpack.unpackb(_exact(sock, n), raw=False)
+    return msgpack.unpackb(_exact(sock, n), raw=False, unicode_errors="surrogateescape")
