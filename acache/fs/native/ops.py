@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import stat
 import threading
@@ -19,6 +20,7 @@ from acache.fs.native.passthrough import OpenTable
 from acache.fs.native.session import NO_REPLY, Reply, Request
 from acache.fs.types import RENAME_EXCHANGE, RENAME_NOREPLACE, UTIME_NOW, Attr
 
+log = logging.getLogger("acache.fs.native")
 FALLOC_FL_KEEP_SIZE = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -406,8 +408,13 @@ class Ops:
     # --- shutdown --------------------------------------------------------------------------
 
     def release_all(self) -> None:
-        """The connection is gone: release what the kernel will never RELEASE now."""
-        for fh in self.table.open_handles():
+        """The connection is gone: release what the kernel will never RELEASE now (as if
+        the processes holding them had been killed: their close persists what they wrote)."""
+        handles = self.table.open_handles()
+        if handles:
+            log.warning("FUSE connection ended with %d open files; releasing them",
+                        len(handles))
+        for fh in handles:
             try:
                 self.vfs.release(fh)
             except Exception:
