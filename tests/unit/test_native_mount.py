@@ -508,3 +508,28 @@ def test_engine_start_over_a_stale_mount(tmp_path):
     finally:
         eng.stop()
     assert not os.path.ismount(mnt)
+
+
+def test_lookup_counts_return_to_zero_after_forget(mounted):
+    """LOOKUP and READDIRPLUS hand out lookup references; when the kernel evicts the
+    inodes it forgets them (FORGET / BATCH_FORGET) and every count must come back to 0."""
+    m = mounted()
+    os.mkdir(m.p("d"))
+    for i in range(300):
+        with open(m.p("d", f"f{i}"), "wb") as f:
+            f.write(b"x")
+    subprocess.run(["ls", "-l", m.p("d")], check=True, capture_output=True)
+    for i in range(0, 300, 7):
+        os.stat(m.p("d", f"f{i}"))
+    assert any(n.lookups > 0 for n in m.vfs.nodes.values() if n.ino != 1)
+    with open("/proc/sys/vm/drop_caches", "w") as f:     # evict dentries and inodes
+        f.write("2")
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if all(n.lookups == 0 for n in m.vfs.nodes.values() if n.ino != 1):
+            break
+        time.sleep(0.05)
+    left = {n.ino: n.lookups for n in m.vfs.nodes.values() if n.ino != 1 and n.lookups}
+    assert not left
+    c = m.counts()
+    assert c.get("BATCH_FORGET", 0) + c.get("FORGET", 0) > 0, c
