@@ -56,8 +56,7 @@ def test_malformed_config_names_file_and_line(tmp_path, engine):
 def test_cli_with_no_daemon(tmp_path, engine):
     n = AcacheNode(tmp_path, engine=engine)
     try:
-        for args in (["status"], ["status", "--json"], ["flush", "--wait"], ["down"],
-                     ["umount", str(n.mnt)], ["flush", "--no-wait"]):
+        for args in (["status", "--json"], ["flush", "--wait"], ["down"], ["umount", str(n.mnt)]):
             p = n.cli(*args, check=False)
             one_line_error(p)
             assert "no acache node is running" in p.stderr, (args, p.stderr)

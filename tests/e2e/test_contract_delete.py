@@ -44,8 +44,8 @@ def test_unlink_and_rmtree_of_dirty_files(make_node):
     assert os.listdir(n.ufs_dir) == []
 
 
-def test_rmtree_while_persisting_never_resurrects(make_node):
-    n = make_node(flush_delay=0)
+def test_rmtree_while_persisting_never_resurrects(space):
+    n = space
     d = n.mnt / "ckpt"
     d.mkdir()
     for i in range(12):

@@ -25,8 +25,8 @@ def renameat2(src, dst, flags: int) -> None:
 
 
 @pytest.mark.parametrize("persisted_target", [False, True])
-def test_rename_onto_existing_file_dcp_metadata(make_node, persisted_target):
-    n = make_node(flush_delay=0.3)
+def test_rename_onto_existing_file_dcp_metadata(space, persisted_target):
+    n = space
     ck = n.mnt / "step-1"
     ck.mkdir()
     (ck / ".metadata").write_bytes(b"old metadata")
@@ -62,8 +62,8 @@ def test_rename_safetensors_mkstemp_to_final(space):
 
 
 @pytest.mark.parametrize("persisted", [False, True])
-def test_rename_populated_directory(make_node, persisted):
-    n = make_node(flush_delay=0.3)
+def test_rename_populated_directory(space, persisted):
+    n = space
     src = n.mnt / "tmp-ckpt"
     (src / "sub").mkdir(parents=True)
     files = {"a.bin": pattern(70_000, 1), "sub/b.bin": pattern(2 << 20, 2), "sub/c": b"c"}
@@ -155,8 +155,8 @@ def test_rename_unpersisted_costs_no_traffic_for_old_name(make_node):
     assert st["persisted_bytes"] == sum(len(v) for v in files.values())
 
 
-def test_rename_of_file_while_persisting_leaves_one_name(make_node):
-    n = make_node(flush_delay=0)
+def test_rename_of_file_while_persisting_leaves_one_name(space):
+    n = space
     for i in range(6):
         (n.mnt / f"t{i}").write_bytes(pattern(6 << 20, i))
         os.rename(n.mnt / f"t{i}", n.mnt / f"f{i}")

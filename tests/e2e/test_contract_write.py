@@ -38,8 +38,8 @@ def test_otrunc_over_dirty_and_persisted_file(make_node):
     assert ufs_real(n.ufs_files()) == {"a.pt": b""}
 
 
-def test_otrunc_while_persisting(make_node):
-    n = make_node(flush_delay=0)
+def test_otrunc_while_persisting(space):
+    n = space
     a = n.mnt / "big.bin"
     for i in range(5):                      # overwrite while earlier versions upload
         a.write_bytes(pattern((8 << 20) - i * 1000, i))
