@@ -22,7 +22,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
 from rich.table import Table
 
 from acache import config
-from acache.errors import AcacheError, DaemonError
+from acache.errors import AcacheError
 from acache.node.client import Client, is_running
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,

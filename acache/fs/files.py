@@ -136,6 +136,14 @@ class FileOps:
                 self._sig.pop(ino, None)   # its next close journals it, changed or not
                 if trunc:
                     os.truncate(self.cache.path(ino, node.gen), 0)
+            elif self._newest_unstarted(ino, node.gen):
+                # its pending PUT is the journal's newest entry and has not started:
+                # nothing can overtake it, so write in place and journal it again at close
+                # (no copy of the whole file, e.g. fio's create-close-reopen)
+                journal.on_reopen(self.meta, txn, self.persister, node)
+                self._sig.pop(ino, None)
+                if trunc:
+                    os.truncate(self.cache.path(ino, node.gen), 0)
             elif self.meta.gen_pending(ino, node.gen) or self.persister.uses(ino, node.gen) \
                     or not node.cached:
                 node.gen += 1
@@ -157,6 +165,12 @@ class FileOps:
             if old_gen != node.gen:
                 self.gc_gen(ino, old_gen)
             return fh
+
+    def _newest_unstarted(self, ino: int, gen: int) -> bool:
+        pend = [e for e in self.meta.puts_of(ino) if e.gen == gen]
+        return bool(pend) and self.meta.newest_seq() == pend[-1].seq \
+            and not self.persister.uses(ino, gen) \
+            and all(self.persister.state(e.seq) == "" for e in pend)
 
     def _fill_whole(self, node: Inode) -> None:
         """Fetch a read-through file completely (before it is opened for writing)."""

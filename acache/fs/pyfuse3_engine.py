@@ -15,7 +15,7 @@ import pyfuse3
 import trio
 
 from acache.errors import FsError
-from acache.fs.types import UTIME_NOW, Attr, Ctx
+from acache.fs.types import Attr, Ctx
 
 log = logging.getLogger("acache.fs.pyfuse3")
 
@@ -150,7 +150,7 @@ class Ops(pyfuse3.Operations):
         await self._call(self.vfs.releasedir, fh)
 
     async def fsyncdir(self, fh, datasync):
-        return None
+        await self._call(self.vfs.fsyncdir, fh, bool(datasync))
 
     async def statfs(self, ctx):
         s = await self._call(self.vfs.statfs)

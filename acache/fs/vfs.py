@@ -37,7 +37,7 @@ class VFS(FileOps):
                  *, chunk_size: int = 8 << 20) -> None:
         self.meta, self.cache, self.under, self.persister = meta, cache, under, persister
         self.lock = meta.lock
-        self.fetch = ReadThrough(under, chunk_size)
+        self.fetch = ReadThrough(under, chunk_size, cache=cache)
         self._init_files()
         self._lookups: dict[int, int] = {}
         self._dirs: dict[int, tuple[int, list]] = {}
@@ -360,6 +360,10 @@ class VFS(FileOps):
                     continue     # removed since opendir
                 out.append((name, self.attr(node), i + 1))
             return out
+
+    def fsyncdir(self, fh: int, datasync: bool) -> None:
+        """The namespace lives in the metadata store: syncing it makes entries durable."""
+        self.meta.sync()
 
     def releasedir(self, fh: int) -> None:
         with self.lock:

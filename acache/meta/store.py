@@ -228,7 +228,7 @@ class MetaStore:
         return "/".join(reversed(parts))
 
     def journal(self) -> list[Entry]:
-        return [self._journal[s] for s in sorted(self._journal)]
+        return list(self._journal.values())     # appended in seq order, loaded in key order
 
     def entry(self, seq: int) -> Entry | None:
         return self._journal.get(seq)
@@ -238,6 +238,10 @@ class MetaStore:
 
     def gen_pending(self, ino: int, gen: int) -> bool:
         return any(self._journal[s].gen == gen for s in self._puts_of.get(ino, ()))
+
+    def newest_seq(self) -> int:
+        """The seq of the newest entry still in the journal (0 if empty)."""
+        return next(reversed(self._journal), 0)
 
     def journal_len(self) -> int:
         return len(self._journal)
@@ -253,6 +257,10 @@ class MetaStore:
         txn.puts[K.counter_key("next_ino")] = K.u64(self._next_ino)
         txn.save(ino)
         return ino
+
+    def sync(self) -> None:
+        """Make every change so far durable against a host crash (fsync of the WAL)."""
+        self.kv.write({K.counter_key("sync"): b""}, sync=True)
 
     def close(self) -> None:
         self.kv.close()

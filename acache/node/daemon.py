@@ -5,7 +5,6 @@ it over a unix socket (acache.node.server); only this process opens RocksDB.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -17,6 +16,7 @@ from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under import open_store
 from acache.errors import AcacheError, ConfigError, FlushError, UnderStoreError
+from acache.fs.native.mount import clean_stale_mount
 from acache.fs.vfs import VFS
 from acache.meta.kv_rocks import RocksKV
 from acache.meta.store import MetaStore
@@ -32,19 +32,6 @@ def _check_writable(path: Path, what: str) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"{what} {path} is not usable: {e.strerror}") from None
-
-
-def clean_stale_mount(path: str) -> bool:
-    """Detach a dead FUSE mount left by a crashed daemon (stat says ENOTCONN)."""
-    try:
-        os.stat(path)
-        return False
-    except OSError as e:
-        if e.errno not in (errno.ENOTCONN, errno.EIO):
-            return False
-    log.warning("%s is a dead mount (the previous daemon died): detaching it", path)
-    os.system(f"fusermount3 -u -z {path!r} 2>/dev/null || umount -l {path!r} 2>/dev/null")
-    return True
 
 
 class Node:
@@ -70,6 +57,7 @@ class Node:
                               settings.stall_timeout)
         self.persister = Persister(self.meta, self.cache, self.under, flush_delay=settings.flush_delay,
                                    concurrency=settings.upload_concurrency)
+        self.cache.on_stall = lambda: self.persister.hurry(self.meta.last_seq())
         self.vfs = VFS(self.meta, self.cache, self.under, self.persister,
                        chunk_size=settings.chunk_size)
         rec = self.vfs.recover()
@@ -89,14 +77,16 @@ class Node:
         want = want or self.settings.engine
         if want in ("auto", "native"):
             try:
-                from acache.fs.native import NativeEngine, probe_passthrough
+                from acache.fs.native import NativeEngine, probe_passthrough, required_stack_depth
             except ImportError as e:
                 if want == "native":
                     raise ConfigError(f"the native engine is not available: {e}") from None
                 return "pyfuse3", f"native engine unavailable ({e})", None
             ok, why = probe_passthrough(str(self.cache.dir))
             if ok or want == "native":
-                return "native", why, lambda mp: NativeEngine(self.vfs, mp, passthrough=ok)
+                depth = required_stack_depth(str(self.cache.dir))
+                return "native", why, lambda mp: NativeEngine(self.vfs, mp, passthrough=ok,
+                                                              max_stack_depth=depth)
             return "pyfuse3", f"no passthrough ({why}); pyfuse3 is the faster engine without it", None
         if want == "pyfuse3":
             return "pyfuse3", "asked for", None
