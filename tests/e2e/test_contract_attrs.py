@@ -206,3 +206,29 @@ def test_statfs_reports_the_cache(make_node):
     free1 = os.statvfs(n.mnt).f_bavail * os.statvfs(n.mnt).f_frsize
     assert free0 - free1 >= 60 << 20, (free0, free1)
     assert n.status()["cache_limit"] == 1 << 30
+
+
+def _as_user(uid: int, gid: int):
+    def drop():
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+    return drop
+
+
+def test_files_belong_to_their_creator(space):
+    import subprocess
+    d = space.mnt / "shared"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    subprocess.run(["/bin/sh", "-c", "echo u > f && mkdir sub && (umask 077 && : > private)"],
+                   cwd=d, check=True, preexec_fn=_as_user(4321, 8765))
+    for name in ("f", "sub", "private"):
+        s = os.stat(d / name)
+        assert (s.st_uid, s.st_gid) == (4321, 8765), name
+    assert stat.S_IMODE(os.stat(d / "private").st_mode) == 0o600
+    (space.mnt / "root-only").write_bytes(b"r")
+    os.chmod(space.mnt / "root-only", 0o600)
+    p = subprocess.run(["/bin/cat", str(space.mnt / "root-only")], capture_output=True, text=True,
+                       preexec_fn=_as_user(4321, 8765))
+    assert p.returncode != 0 and "Permission denied" in p.stderr, p.stderr

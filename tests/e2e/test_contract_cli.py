@@ -76,10 +76,13 @@ def test_flush_timeout_with_file_open_for_writing(make_node):
         assert "timed out" in p.stderr and "open" in p.stderr, p.stderr
         p = n.cli("flush", str(n.mnt / "held.pt"), "--wait", "--timeout", "0.5", check=False)
         one_line_error(p)
+        (n.mnt / "other").mkdir()
+        (n.mnt / "other" / "x").write_bytes(b"x")
+        n.flush(str(n.mnt / "other"), timeout=30)   # a barrier elsewhere is not held up
     finally:
         f.close()
     n.flush()    # nothing was lost by the failed barrier
-    assert ufs_real(n.ufs_files()) == {"done": b"done", "held.pt": b"x" * 1000}
+    assert ufs_real(n.ufs_files()) == {"done": b"done", "held.pt": b"x" * 1000, "other/x": b"x"}
 
 
 def test_flush_path_outside_mount_and_bad_options(space, tmp_path):
