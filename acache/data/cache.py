@@ -37,6 +37,7 @@ class CacheDir:
         self.dirty: set[tuple[int, int]] = set()           # files that may not be evicted
         self.lru: OrderedDict[int, int] = OrderedDict()    # clean ino -> gen, oldest first
         self.evict_hook = None                             # (ino, gen) -> bool: evict if still clean
+        self.on_stall = None                               # () -> None: writers wait, persist now
         self.stalls = 0
 
     def path(self, ino: int, gen: int) -> str:
@@ -65,6 +66,10 @@ class CacheDir:
             if ent[1] == 0:
                 os.close(ent[0])
                 del self._fds[key]
+                if key in self._sizes and key not in self.dirty and self.lru.get(ino, -1) <= gen:
+                    self.lru[ino] = gen          # clean and closed: evictable again, newest
+                    self.lru.move_to_end(ino)
+                    self.space.notify_all()
 
     def is_open(self, ino: int, gen: int) -> bool:
         return (ino, gen) in self._fds
@@ -148,6 +153,21 @@ class CacheDir:
             self._sizes[key] = end
         self.wait_for_room()
 
+    def filled(self, ino: int, gen: int, nbytes: int) -> None:
+        """Read-through wrote ``nbytes`` more into a clean cache file: account them."""
+        if not self.exists(ino, gen):   # evicted while the fetch ran
+            return
+        with self._lock:
+            self._sizes[(ino, gen)] = self._sizes.get((ino, gen), 0) + nbytes
+
+    def make_room(self, need: int) -> None:
+        """Readers: evict clean data so that ``need`` more bytes fit.  Never waits and
+        never fails: with only dirty or open data left, the cache goes over its limit
+        (writers are held back until it is under again)."""
+        while self.used() + need > self.limit:
+            if not self._evict_one():
+                return
+
     def used(self) -> int:
         return sum(self._sizes.values())
 
@@ -167,6 +187,8 @@ class CacheDir:
                 self.stalls += 1
                 log.warning("cache full of dirty data (%d of %d bytes): writers wait for persisting",
                             self.dirty_bytes(), self.limit)
+                if self.on_stall is not None:
+                    self.on_stall()     # no flush delay while writers wait for room
             left = deadline - time.monotonic()
             if left <= 0:
                 log.error("ENOSPC: dirty data stayed above the cache limit (%d bytes) for %.0f s "

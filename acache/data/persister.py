@@ -57,6 +57,7 @@ class Persister:
         self.concurrency = concurrency
         self.urgent_seq = 0
         self._applying = 0                      # seq of the entry being applied right now
+        self._outage = False                    # the last attempt failed: probe, one at a time
         self.gc: Callable[[int, int], None] = lambda ino, gen: None
         self.on_applied: Callable[[Entry], None] = lambda e: None
         self._retry_at: dict[int, float] = {}   # seq -> monotonic time of the next try
@@ -181,10 +182,16 @@ class Persister:
         wake = 1.0
         staging = sum(1 for j in self.jobs.values() if j.state == "staging")
         moved: list[str] = []    # paths an earlier rename/delete/rmdir still has to change
+        first_put = True
         for e in self.meta.journal()[:WINDOW]:
             if e.op in ("rename", "delete", "rmdir"):
                 moved += [p for p in (e.path, e.dst) if p]
-            if e.op != "put" or e.seq in self.jobs:
+            if e.op != "put":
+                continue
+            if not first_put and self._outage:
+                break            # the under-storage is failing: only the first PUT probes it
+            first_put = False
+            if e.seq in self.jobs:
                 continue
             if any(e.path.startswith(p + "/") for p in moved):
                 # staging may create the parents of e.path (file://: the temp file lives
@@ -207,6 +214,7 @@ class Persister:
         return job is not None and job.done.is_set()
 
     def _start_stage(self, e: Entry) -> None:
+        self.failed.pop(e.seq, None)     # a new attempt: its last failure is history
         e.token = self.under.new_token(e.path)
         txn = self.meta.txn()
         txn.update_entry(e)
@@ -238,9 +246,24 @@ class Persister:
             job.state = "staged" if job.state == "staging" else job.state
             aborted = job.aborted
             job.done.set()
+            if error is None and not aborted:
+                self._healthy()
             self.cond.notify_all()
         if aborted:
             self._discard(job)
+        elif error is not None:    # retried with backoff from now, not when it reaches the head
+            self._failed(e, error if isinstance(error, UnderStoreError) else
+                         UnderStoreError(f"staging {e.path}: {type(error).__name__}: {error}",
+                                         retryable=True))
+
+    def _healthy(self) -> None:
+        """Something reached the under-storage (under the lock): if it was failing, the
+        outage is over and every entry waiting for a retry is tried again now."""
+        if self._outage:
+            self._outage = False
+            for s in self._retry_at:
+                self._retry_at[s] = 0.0
+            log.info("the under-storage works again: retrying %d entries now", len(self._retry_at))
 
     def _discard(self, job: Job) -> None:
         """Throw away the upload of an aborted job (outside the lock: S3 I/O)."""
@@ -286,6 +309,7 @@ class Persister:
 
     def _done(self, e: Entry) -> None:
         """Entry ``e`` is now in the under-storage (called under the lock)."""
+        self._healthy()
         self.jobs.pop(e.seq, None)
         self._retry_at.pop(e.seq, None)
         self._attempts.pop(e.seq, None)
@@ -325,6 +349,10 @@ class Persister:
 
     def _failed(self, e: Entry, err: UnderStoreError) -> None:
         with self.lock:
+            if self.meta.entry(e.seq) is None:   # cancelled meanwhile: nothing to retry
+                self.jobs.pop(e.seq, None)
+                return
+            self._outage = True
             n = self._attempts.get(e.seq, 0) + 1
             self._attempts[e.seq] = n
             job = self.jobs.pop(e.seq, None)

@@ -29,8 +29,10 @@ class _Fill:
 
 
 class ReadThrough:
-    def __init__(self, under: UnderStore, chunk_size: int, workers: int = 8) -> None:
+    def __init__(self, under: UnderStore, chunk_size: int, workers: int = 8,
+                 cache=None) -> None:
         self.under = under
+        self.cache = cache         # a CacheDir: room is made and fetched bytes accounted there
         self.chunk = chunk_size
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="acache-fetch")
         self._fills: dict[tuple[int, int], _Fill] = {}
@@ -83,13 +85,16 @@ class ReadThrough:
                 return ev
             ev = fill.loading[c] = threading.Event()
         # our own descriptor: the caller's may be closed before a read-ahead lands
-        self.pool.submit(self._load, fill, os.dup(fd), upath, size, c, ev)
+        self.pool.submit(self._load, fill, os.dup(fd), upath, size, c, ev, ino, gen)
         return ev
 
-    def _load(self, fill: _Fill, fd, upath, size, c: int, ev: threading.Event) -> None:
+    def _load(self, fill: _Fill, fd, upath, size, c: int, ev: threading.Event, ino: int = 0,
+              gen: int = 0) -> None:
         off = c * self.chunk
         n = min(self.chunk, size - off)
         try:
+            if self.cache is not None:
+                self.cache.make_room(n)
             data = b""
             for attempt in range(3):       # a rename may move the object under us
                 try:
@@ -109,6 +114,8 @@ class ReadThrough:
             done = 0
             while done < n:
                 done += os.pwrite(fd, view[done:], off + done)
+            if self.cache is not None:
+                self.cache.filled(ino, gen, n)
             with self._lock:
                 fill.present.add(c)
         except Exception as e:

@@ -1,0 +1,227 @@
+"""Cache limits and under-storage failures, on a real mount (DESIGN.md points 6-8).
+
+  * a small cache (ACACHE_CACHE_SIZE): writing several times the limit succeeds —
+    writers wait for persisting instead of failing — clean data is evicted LRU and
+    read back byte-identical through read-through, the cache stays near its limit;
+  * an under-storage that cannot persist (a read-only bind mount over the file://
+    directory) and a short ACACHE_STALL_TIMEOUT: dirty data is never evicted (it
+    stays readable), the writer that would overfill the cache gets ENOSPC only after
+    the timeout, with a clear log line; the failure shows in `status --json`
+    (last_error, failed) and `flush --wait` exits non-zero with the reason; fix the
+    under-storage and everything acknowledged lands;
+  * an outage (the under-storage unwritable for a while, then writable again):
+    everything lands by itself, and `flush --wait` succeeds as soon as it is fixed.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import random
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.acache_node import AcacheNode, fuse_mounts
+
+MiB = 1 << 20
+
+
+def _data(name: str, size: int) -> bytes:
+    return random.Random(name).randbytes(size)
+
+
+def _write(path: Path, data: bytes, chunk: int = MiB) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        for off in range(0, len(data), chunk):
+            os.write(fd, data[off:off + chunk])
+    finally:
+        os.close(fd)
+
+
+def _digest(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """Make a directory read-only even for root: a read-only bind mount over it."""
+    subprocess.run(["mount", "--bind", str(path), str(path)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield lambda: _unmount(path)
+    finally:
+        _unmount(path)
+
+
+def _unmount(path: Path) -> None:
+    with open("/proc/mounts") as f:
+        if any(ln.split()[1] == str(path) for ln in f):
+            subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.fixture
+def make_node(tmp_path, engine):
+    nodes = []
+
+    def make(flush_delay: float = 0.05, **env) -> AcacheNode:
+        n = AcacheNode(tmp_path / f"n{len(nodes)}", engine=engine, flush_delay=flush_delay,
+                       extra_env={k: str(v) for k, v in env.items()})
+        nodes.append(n)
+        return n.start()
+    yield make
+    for n in nodes:
+        _unmount(n.ufs_dir)
+        n.stop()
+        assert str(n.mnt) not in fuse_mounts()
+
+
+def _log(node: AcacheNode) -> str:
+    return (node.home / "acache.log").read_text()
+
+
+@pytest.mark.e2e
+def test_backpressure_then_eviction_and_read_through(make_node):
+    limit = 64 * MiB
+    # a flush delay of 1 s keeps closed files dirty for a while: the writer outruns
+    # persisting and must be held back, not failed
+    node = make_node(flush_delay=1.0, ACACHE_CACHE_SIZE=limit, ACACHE_STALL_TIMEOUT=120)
+    files = {f"f{i:02d}.bin": _data(f"bp{i}", 12 * MiB + i * 4096) for i in range(16)}  # ~3x
+    peak = [0]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], node.status()["dirty_bytes"])
+            time.sleep(0.2)
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        for name, data in files.items():
+            _write(node.mnt / name, data)          # no ENOSPC, no EIO: backpressure
+    finally:
+        stop.set()
+        t.join()
+    took = time.monotonic() - t0
+    st = node.status()
+    assert st["stalls"] >= 1, f"writing {len(files) * 12} MiB into a {limit >> 20} MiB cache " \
+                              f"never waited (took {took:.1f}s): {st}"
+    assert peak[0] <= limit + 16 * MiB, f"dirty data reached {peak[0] >> 20} MiB, limit 64 MiB"
+    node.flush()
+    ufs = node.ufs_files()
+    assert {k: _digest(v) for k, v in ufs.items()} == {k: _digest(v) for k, v in files.items()}
+    st = node.status()
+    assert st["cache_used"] <= limit, st
+    assert st["dirty_bytes"] == 0, st
+    # the evicted (clean) files come back through read-through, byte-identical
+    reads0 = st["ufs_reads"]
+    for name, data in files.items():
+        assert (node.mnt / name).read_bytes() == data, name
+    st = node.status()
+    assert st["ufs_reads"] > reads0, "nothing was read back from the under-storage: no eviction?"
+    assert st["cache_used"] <= limit + 16 * MiB, st
+    assert "Traceback" not in _log(node)
+
+
+@pytest.mark.e2e
+def test_enospc_only_after_stall_timeout_and_data_kept(make_node):
+    limit, stall = 32 * MiB, 4.0
+    node = make_node(ACACHE_CACHE_SIZE=limit, ACACHE_STALL_TIMEOUT=stall)
+    kept = {f"kept{i}.bin": _data(f"k{i}", 6 * MiB) for i in range(4)}      # 24 MiB, dirty
+    with read_only(node.ufs_dir) as fix:
+        for name, data in kept.items():
+            _write(node.mnt / name, data)
+        # more than fits: the writer waits for persisting, which cannot happen
+        big = _data("big", 16 * MiB)
+        fd = os.open(node.mnt / "big.bin", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        t0 = time.monotonic()
+        err = None
+        written = 0
+        try:
+            while written < len(big):
+                written += os.write(fd, big[written:written + MiB])
+        except OSError as e:
+            err = e
+        waited = time.monotonic() - t0
+        os.close(fd)
+        assert err is not None and err.errno == errno.ENOSPC, \
+            f"expected ENOSPC once the cache stayed full, got {err!r} after {written} bytes"
+        assert waited >= stall - 0.5, f"ENOSPC after {waited:.1f}s, before the stall timeout {stall}s"
+        assert waited < stall + 30, f"ENOSPC only after {waited:.1f}s"
+        log = _log(node)
+        assert "ENOSPC" in log and "stall_timeout" in log, log[-3000:]
+        # dirty data is never evicted: it is all still there, byte-identical
+        for name, data in kept.items():
+            assert (node.mnt / name).read_bytes() == data, name
+        # the failure is visible to programs
+        st = node.status()
+        assert st["last_error"], st
+        assert st["failed"] >= 1, st
+        assert st["dirty_bytes"] >= sum(map(len, kept.values())), st
+        state = os.getxattr(node.mnt / "kept0.bin", "user.acache.state").decode()
+        assert state in ("failed", "dirty", "persisting"), state
+        p = node.cli("flush", "--wait", "--timeout", "20", check=False, timeout=60)
+        assert p.returncode != 0, p.stdout + p.stderr
+        msg = p.stderr.strip().splitlines()
+        assert len(msg) >= 1 and ("Read-only" in p.stderr or "EROFS" in p.stderr), p.stderr
+        assert "Traceback" not in p.stderr
+        big_on_mount = (node.mnt / "big.bin").read_bytes()
+        assert big.startswith(big_on_mount)
+        fix()
+    # the under-storage works again: everything acknowledged lands, byte-identical
+    node.flush(timeout=120)
+    ufs = node.ufs_files()
+    for name, data in kept.items():
+        assert ufs.get(name) == data, name
+    assert ufs.get("big.bin") == big_on_mount     # what the writer did write before ENOSPC
+    st = node.status()
+    assert not st["last_error"] and st["failed"] == 0, st
+    assert "Traceback" not in _log(node)
+
+
+@pytest.mark.e2e
+def test_outage_then_everything_lands(make_node):
+    node = make_node(flush_delay=0.05)
+    files = {f"d/f{i}.bin": _data(f"o{i}", random.Random(i).randint(0, 3 * MiB)) for i in range(12)}
+    (node.mnt / "d").mkdir()
+    with read_only(node.ufs_dir) as fix:
+        for i, (name, data) in enumerate(files.items()):
+            _write(node.mnt / name, data)
+            if i == 5:
+                os.rename(node.mnt / "d/f0.bin", node.mnt / "d/renamed.bin")
+        files["d/renamed.bin"] = files.pop("d/f0.bin")
+        os.unlink(node.mnt / "d/f1.bin")
+        del files["d/f1.bin"]
+        time.sleep(3)           # the persister keeps failing meanwhile
+        assert node.status()["last_error"]
+        assert node.ufs_files() == {}
+        fix()
+    # no flush: it lands by itself (retried with backoff, for as long as it takes)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and node.ufs_files() != files:
+        time.sleep(0.5)
+    assert node.ufs_files() == files, sorted(node.ufs_files())
+    node.flush(timeout=60)
+    st = node.status()
+    assert not st["last_error"] and st["failed"] == 0 and st["queue"] == 0, st
+
+
+@pytest.mark.e2e
+def test_flush_succeeds_as_soon_as_the_outage_ends(make_node):
+    node = make_node(flush_delay=0.05)
+    files = {f"g{i}.bin": _data(f"g{i}", 2 * MiB) for i in range(10)}
+    with read_only(node.ufs_dir) as fix:
+        for name, data in files.items():
+            _write(node.mnt / name, data)
+        time.sleep(2)
+        p = node.cli("flush", "--wait", "--timeout", "10", check=False, timeout=60)
+        assert p.returncode != 0 and "Read-only" in p.stderr, p.stdout + p.stderr
+        fix()
+    node.flush(timeout=60)     # retried at once, and no stale failure reported
+    assert node.ufs_files() == files
