@@ -383,6 +383,7 @@ class VFS(FileOps):
             return "dirty"
         kinds = [e for e in self.meta.journal() if e.ino == node.ino and e.op in ("put", "mkdir")] \
             if node.is_dir else self.meta.puts_of(node.ino)
+        kinds += self.meta.moves_of(node.ino)     # not under its current name until these land
         if any(e.seq in self.persister.failed for e in kinds):
             return "failed"
         if any(self.persister.state(e.seq) for e in kinds):

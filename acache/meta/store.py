@@ -137,6 +137,8 @@ class Txn:
                   f" -> {e.dst}" if e.dst else "", e.ino, e.gen)
         if e.op == "put":
             s._puts_of.setdefault(e.ino, set()).add(e.seq)
+        for ino in e.inos if e.op == "rename" else ():
+            s._moves_of.setdefault(ino, set()).add(e.seq)
         self.puts[K.journal_key(e.seq)] = e.pack()
         self.puts[K.counter_key("next_seq")] = K.u64(s._next_seq)
         return e
@@ -153,6 +155,12 @@ class Txn:
                 seqs.discard(seq)
                 if not seqs:
                     del self.store._puts_of[e.ino]
+        for ino in e.inos if e is not None and e.op == "rename" else ():
+            seqs = self.store._moves_of.get(ino)
+            if seqs is not None:
+                seqs.discard(seq)
+                if not seqs:
+                    del self.store._moves_of[ino]
         self.puts.pop(K.journal_key(seq), None)
         self.deletes.append(K.journal_key(seq))
 
@@ -178,6 +186,7 @@ class MetaStore:
         self._children: dict[int, dict[bytes, int]] = {}
         self._journal: dict[int, Entry] = {}
         self._puts_of: dict[int, set[int]] = {}   # ino -> seqs of its pending PUTs
+        self._moves_of: dict[int, set[int]] = {}  # ino -> seqs of pending RENAMEs moving it
         self.on_freed = lambda ino, gen: None      # a cache file the journal let go of
         raw = kv.get(K.counter_key("next_ino"))
         self._next_ino = K.from_u64(raw) if raw else ROOT_INO
@@ -194,6 +203,8 @@ class MetaStore:
             self._journal[e.seq] = e
             if e.op == "put":
                 self._puts_of.setdefault(e.ino, set()).add(e.seq)
+            for ino in e.inos if e.op == "rename" else ():
+                self._moves_of.setdefault(ino, set()).add(e.seq)
         if ROOT_INO not in self._inodes:
             now = time.time_ns()
             root = Inode(ROOT_INO, st.S_IFDIR | 0o755, nlink=2, atime_ns=now, mtime_ns=now,
@@ -235,6 +246,11 @@ class MetaStore:
 
     def puts_of(self, ino: int) -> list[Entry]:
         return [self._journal[s] for s in sorted(self._puts_of.get(ino, ()))]
+
+    def moves_of(self, ino: int) -> list[Entry]:
+        """Pending RENAMEs that move this inode (itself or a directory above it) in the
+        under-storage: until they land, it is not there under its current name."""
+        return [self._journal[s] for s in sorted(self._moves_of.get(ino, ()))]
 
     def gen_pending(self, ino: int, gen: int) -> bool:
         return any(self._journal[s].gen == gen for s in self._puts_of.get(ino, ()))

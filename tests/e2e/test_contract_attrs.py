@@ -194,6 +194,18 @@ def test_state_xattr_dirty_to_persisted(make_node):
     assert os.getxattr(p, "user.acache.state") == b"dirty"
     n.flush()
     assert os.getxattr(p, "user.acache.state") == b"persisted"
+    # renamed: the under-storage does not hold it at its new name until the rename lands
+    os.rename(p, n.mnt / "renamed.pt")
+    assert os.getxattr(n.mnt / "renamed.pt", "user.acache.state") != b"persisted"
+    (n.mnt / "dir").mkdir()
+    n.flush()
+    os.rename(n.mnt / "renamed.pt", n.mnt / "dir" / "x.pt")
+    os.rename(n.mnt / "dir", n.mnt / "dir2")
+    assert os.getxattr(n.mnt / "dir2" / "x.pt", "user.acache.state") != b"persisted"
+    assert os.getxattr(n.mnt / "dir2", "user.acache.state") != b"persisted"
+    n.flush()
+    assert os.getxattr(n.mnt / "dir2" / "x.pt", "user.acache.state") == b"persisted"
+    assert os.getxattr(n.mnt / "dir2", "user.acache.state") == b"persisted"
 
 
 def test_statfs_reports_the_cache(make_node):
