@@ -3,7 +3,8 @@
 The under-storage must always show a prefix of the history, with the names of
 data that was never persisted elided:
   * closing a file appends PUT(path, ino, gen); an older PUT of the same file
-    that has not started is superseded (cancelled);
+    that has not started is superseded (cancelled) when nothing was journaled
+    after it (else it stays: what was closed after it must not land before it);
   * renaming data that is not in the under-storage yet moves its pending PUT
     (and MKDIRs, for a directory) to the rename's place in the journal, under
     the new name: no traffic for the old name, and nothing closed after the
@@ -46,10 +47,11 @@ def _cancel(txn: Txn, inflight: Inflight, e: Entry) -> None:
 def journal_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> Entry:
     """The file was closed: commit its current generation at its current path."""
     replaces = False
-    for old in meta.puts_of(node.ino):
-        if inflight.state(old.seq) == "":
-            replaces = replaces or old.replaces
-            _cancel(txn, inflight, old)
+    for old in reversed(meta.journal()):
+        if old.ino != node.ino or old.op != "put" or inflight.state(old.seq) != "":
+            break    # anything journaled after an older PUT must not land before its content
+        replaces = replaces or old.replaces
+        _cancel(txn, inflight, old)
     return txn.append(op="put", path=meta.path_of(node.ino), ino=node.ino, gen=node.gen,
                       size=node.size, replaces=replaces)
 
