@@ -143,7 +143,7 @@ def _dcp_needs(marker: Path, raw: bytes) -> list[tuple[Path, int]]:
     return [(marker.parent / rel, n) for rel, n in need.items()]
 
 
-def needs_of(marker: Path, raw: bytes, staging_dirs: bool) -> list[tuple[Path, int]] | None:
+def needs_of(marker: Path, raw: bytes) -> list[tuple[Path, int]] | None:
     """What a commit marker promises: [(file, minimum size)], or None if it is no marker."""
     name, d = marker.name, marker.parent
     if name == ".metadata":
@@ -166,19 +166,21 @@ def needs_of(marker: Path, raw: bytes, staging_dirs: bool) -> list[tuple[Path, i
     return None
 
 
-def violations(root: Path, excluded=lambda rel: False, staging_dirs: bool = False) -> list[str]:
+def violations(root: Path, excluded=lambda rel: False, staging_dirs=False) -> list[str]:
     """Commit markers under ``root`` whose promised files are missing or short.
 
     A finding is re-checked (the marker is still there with the same bytes after
     the files were looked at) so a concurrent delete/rename is not reported.
     ``excluded(rel_dir)`` names directories the workload itself was deleting.
-    With ``staging_dirs``, a checkpoint-N directory is itself a commit marker
-    (it was renamed into place fully populated)."""
+    With ``staging_dirs`` (a bool, or a predicate of the relative directory),
+    a checkpoint-N directory is itself a commit marker (it was renamed into
+    place fully populated)."""
+    staged = staging_dirs if callable(staging_dirs) else (lambda rel: bool(staging_dirs))
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         d = Path(dirpath)
         rel_d = os.path.relpath(d, root)
-        if staging_dirs and _CKPT.fullmatch(d.name) and not excluded(rel_d):
+        if _CKPT.fullmatch(d.name) and staged(rel_d) and not excluded(rel_d):
             missing = [f for f in ("trainer_state.json", *HF_REQUIRED) if not _exists_full(d / f)]
             if missing and d.exists() and not excluded(rel_d):
                 out.append(f"{rel_d}/ is in the under-storage without {missing}")
@@ -190,7 +192,7 @@ def violations(root: Path, excluded=lambda rel: False, staging_dirs: bool = Fals
             if raw is None:
                 continue
             try:
-                needs = needs_of(marker, raw, staging_dirs)
+                needs = needs_of(marker, raw)
             except Exception as e:   # a marker that does not parse is a finding too
                 if _read(marker) == raw:
                     out.append(f"{os.path.relpath(marker, root)} does not parse: {e!r}")
@@ -207,7 +209,7 @@ def violations(root: Path, excluded=lambda rel: False, staging_dirs: bool = Fals
 class UfsWatcher:
     """Polls an under-storage directory from a thread, collecting marker violations."""
 
-    def __init__(self, root: Path, excluded=lambda rel: False, staging_dirs: bool = False,
+    def __init__(self, root: Path, excluded=lambda rel: False, staging_dirs=False,
                  interval: float = 0.05) -> None:
         self.root, self.excluded, self.staging_dirs = root, excluded, staging_dirs
         self.interval = interval

@@ -1,8 +1,9 @@
 """Real checkpoint workloads, unmodified, through the mount (issue 4).
 
 Each test runs the same workload (tests/e2e/fw_workloads.py, real torch /
-safetensors / transformers calls, CPU only) on a plain local directory and on the
-acache mount, then after `acache flush --wait` requires:
+safetensors / transformers calls, CPU only) on a plain local directory (once per
+session, shared by the engines) and on the acache mount, then after
+`acache flush --wait` requires:
   * the under-storage holds exactly the files and directories of the local run,
     with identical bytes — except DCP's `.metadata`, which pickles a random
     save_id, and is compared by what it says is stored where (LOOSE);
@@ -28,31 +29,42 @@ from tests.e2e.frameworks import (assert_same_files, rmtree_excluder, run_worklo
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
 
-def check_persisted(node, local, sub: str) -> None:
-    node.flush()
-    ufs = tree(node.ufs_dir / sub)
-    assert_same_files(tree(node.mnt / sub), ufs, "mount vs under-storage", loose={})
-    assert_same_files(tree(local), ufs, "local run vs under-storage")
+_local_trees: dict[tuple[str, str], tuple] = {}
 
 
-def both(node, tmp_path, kind: str, phase: str = "a", watcher_kw=None) -> None:
+@pytest.fixture(scope="session")
+def local_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("local-runs")
+
+
+def local_run(local_root, kind: str, phase: str) -> tuple:
+    """The workload on a plain local directory, once per session (engine-independent);
+    the phases of one workload run in order in the same directory."""
+    if (kind, phase) not in _local_trees:
+        run_workload(kind, local_root / kind, phase)
+        _local_trees[(kind, phase)] = tree(local_root / kind)
+    return _local_trees[(kind, phase)]
+
+
+def both(node, local_root, tmp_path, kind: str, phase: str = "a", watcher_kw=None) -> None:
     """Run ``kind`` on a local directory and on the mount (watched), then compare."""
-    local, mnt = tmp_path / "local" / kind, node.mnt / kind
+    local = local_run(local_root, kind, phase)
     events = tmp_path / f"{kind}.events"
-    run_workload(kind, local, phase)
     with UfsWatcher(node.ufs_dir, excluded=rmtree_excluder(events, kind), **(watcher_kw or {})) as w:
-        run_workload(kind, mnt, phase, events=events)
-        check_persisted(node, local, kind)
+        run_workload(kind, node.mnt / kind, phase, events=events)
+        node.flush()
+        ufs = tree(node.ufs_dir / kind)
+        assert_same_files(tree(node.mnt / kind), ufs, "mount vs under-storage", loose={})
+        assert_same_files(local, ufs, "local run vs under-storage")
     assert not w.found, w.found
     assert w.scans > 0
 
 
-def test_torch_save_load_overwrite(node, tmp_path):
+def test_torch_save_load_overwrite(node, local_root, tmp_path):
     # phase a: save 80 MiB, torch.load (also mmap=True), overwrite in place before it persisted
-    both(node, tmp_path, "torch_save", "a")
-    # phase b: overwrite in place after it was persisted (check_persisted flushed it)
-    assert node.status(str(node.mnt / "torch_save" / "model.pt"))
-    both(node, tmp_path, "torch_save", "b")
+    both(node, local_root, tmp_path, "torch_save", "a")
+    # phase b: overwrite in place after it was persisted (both() flushed it)
+    both(node, local_root, tmp_path, "torch_save", "b")
     # phase c: a new node with an empty cache over the same under-storage reads it
     # back through the mount (read-through), torch.load(mmap=True) included
     node.stop()
@@ -61,30 +73,30 @@ def test_torch_save_load_overwrite(node, tmp_path):
     run_workload("torch_save", node.mnt / "torch_save", "c")
 
 
-def test_safetensors(node, tmp_path):
-    both(node, tmp_path, "safetensors")
+def test_safetensors(node, local_root, tmp_path):
+    both(node, local_root, tmp_path, "safetensors")
     # save_file creates its hidden temp with mode 0600 and renames it: the mode survives
     mode = (node.mnt / "safetensors" / "model.safetensors").stat().st_mode & 0o777
-    assert mode == (tmp_path / "local" / "safetensors" / "model.safetensors").stat().st_mode & 0o777
+    assert mode == (local_root / "safetensors" / "model.safetensors").stat().st_mode & 0o777
 
 
-def test_dcp_two_ranks(node, tmp_path):
+def test_dcp_two_ranks(node, local_root, tmp_path):
     # 2 ranks (gloo, 127.0.0.1), default FileSystemWriter: save, load into a fresh
     # state, save again into the same directory, async_save into another
-    both(node, tmp_path, "dcp")
+    both(node, local_root, tmp_path, "dcp")
 
 
-def test_megatron_deepspeed_trackers(node, tmp_path):
-    both(node, tmp_path, "sharded")
+def test_megatron_deepspeed_trackers(node, local_root, tmp_path):
+    both(node, local_root, tmp_path, "sharded")
 
 
-def test_hf_trainer_rotation_resume(node, tmp_path):
+def test_hf_trainer_rotation_resume(node, local_root, tmp_path):
     # save_steps=2, save_total_limit=2 (rotation by directory mtime: rmtree of
     # checkpoints that may still be persisting), then resume_from_checkpoint
-    both(node, tmp_path, "hf")
+    both(node, local_root, tmp_path, "hf")
 
 
-def test_hf_trainer_staging_rename(node, tmp_path):
+def test_hf_trainer_staging_rename(node, local_root, tmp_path):
     # tmp-checkpoint-N populated, then renamed to checkpoint-N: the directory
     # itself is the commit marker
-    both(node, tmp_path, "hf_staging", watcher_kw={"staging_dirs": True})
+    both(node, local_root, tmp_path, "hf_staging", watcher_kw={"staging_dirs": True})
