@@ -111,3 +111,19 @@ def test_unwritable_cache_dir_and_ufs(tmp_path, engine):
         n.stop()
     assert not [m for m in fuse_mounts() if m.startswith(str(tmp_path))]
     assert os.listdir(tmp_path / "a" / "mnt") == []
+
+
+def test_umount_remount_and_down_persists(make_node):
+    n = make_node(flush_delay=3600)
+    (n.mnt / "a").write_bytes(b"a")
+    n.cli("umount", str(n.mnt))
+    assert str(n.mnt) not in fuse_mounts() and os.listdir(n.mnt) == []
+    n.cli("mount", str(n.mnt))
+    assert (n.mnt / "a").read_bytes() == b"a"
+    (n.mnt / "b").write_bytes(b"b")
+    assert ufs_real(n.ufs_files()) == {}        # paused: nothing persisted yet
+    p = n.cli("down")                           # drains by default
+    assert p.returncode == 0 and "Traceback" not in p.stderr
+    assert str(n.mnt) not in fuse_mounts()
+    assert ufs_real(n.ufs_files()) == {"a": b"a", "b": b"b"}
+    assert n.pid() is None
