@@ -352,6 +352,16 @@ def hf_wl(phase: str, staging: bool) -> None:
 
     def logged_rmtree(path, *a, **kw):
         event("rmtree", os.path.relpath(path))
+        states = {}      # on an acache mount: how far persisting got when it is deleted
+        for dirpath, _, files in os.walk(path):
+            for fn in files:
+                try:
+                    st = os.getxattr(os.path.join(dirpath, fn), "user.acache.state").decode()
+                except OSError:
+                    continue
+                states[st] = states.get(st, 0) + 1
+        if states:
+            event("states", os.path.relpath(path), *(f"{k}={v}" for k, v in sorted(states.items())))
         return real_rmtree(path, *a, **kw)
     shutil.rmtree = logged_rmtree
 

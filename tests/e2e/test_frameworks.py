@@ -23,8 +23,8 @@ import pytest
 
 pytest.importorskip("torch", reason="the framework tests need torch (pip install -e .[torch])")
 
-from tests.e2e.frameworks import (assert_same_files, rmtree_excluder, run_workload,  # noqa: E402
-                                  tree, UfsWatcher)
+from tests.e2e.frameworks import (UfsWatcher, assert_same_files, read_events,  # noqa: E402
+                                  rmtree_excluder, run_workload, tree)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
@@ -46,8 +46,9 @@ def local_run(local_root, kind: str, phase: str) -> tuple:
     return _local_trees[(kind, phase)]
 
 
-def both(node, local_root, tmp_path, kind: str, phase: str = "a", watcher_kw=None) -> None:
-    """Run ``kind`` on a local directory and on the mount (watched), then compare."""
+def both(node, local_root, tmp_path, kind: str, phase: str = "a", watcher_kw=None) -> list[str]:
+    """Run ``kind`` on a local directory and on the mount (watched), then compare;
+    returns the workload's events."""
     local = local_run(local_root, kind, phase)
     events = tmp_path / f"{kind}.events"
     with UfsWatcher(node.ufs_dir, excluded=rmtree_excluder(events, kind), **(watcher_kw or {})) as w:
@@ -58,6 +59,7 @@ def both(node, local_root, tmp_path, kind: str, phase: str = "a", watcher_kw=Non
         assert_same_files(local, ufs, "local run vs under-storage")
     assert not w.found, w.found
     assert w.scans > 0
+    return [what for _, what in read_events(events)]
 
 
 def test_torch_save_load_overwrite(node, local_root, tmp_path):
@@ -90,13 +92,21 @@ def test_megatron_deepspeed_trackers(node, local_root, tmp_path):
     both(node, local_root, tmp_path, "sharded")
 
 
-def test_hf_trainer_rotation_resume(node, local_root, tmp_path):
-    # save_steps=2, save_total_limit=2 (rotation by directory mtime: rmtree of
-    # checkpoints that may still be persisting), then resume_from_checkpoint
-    both(node, local_root, tmp_path, "hf")
+def test_hf_trainer_rotation_resume(make_node, local_root, tmp_path):
+    # save_steps=2, save_total_limit=2 (rotation by directory mtime), then
+    # resume_from_checkpoint.  A 5 s flush delay makes rotation rmtree checkpoints
+    # whose uploads are still pending (cancelled: no traffic); the staging test
+    # below, with the usual 0.2 s, mostly deletes persisted ones; the crash test
+    # hits both at random moments.
+    node = make_node(flush_delay=5.0)
+    events = both(node, local_root, tmp_path, "hf")
+    states = [e for e in events if e.startswith("states ")]
+    print(states)
+    assert any("dirty=" in e or "persisting=" in e for e in states), states
 
 
 def test_hf_trainer_staging_rename(node, local_root, tmp_path):
     # tmp-checkpoint-N populated, then renamed to checkpoint-N: the directory
     # itself is the commit marker
-    both(node, local_root, tmp_path, "hf_staging", watcher_kw={"staging_dirs": True})
+    events = both(node, local_root, tmp_path, "hf_staging", watcher_kw={"staging_dirs": True})
+    print([e for e in events if e.startswith("states ")])
