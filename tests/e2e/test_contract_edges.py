@@ -201,3 +201,31 @@ def test_two_writers_one_file(space):
     assert p.read_bytes() == b"AAAAABBBBBC"
     space.flush()
     assert ufs_real(space.ufs_files()) == {"shared": b"AAAAABBBBBC"}
+
+
+def test_child_closing_inherited_fd_does_not_publish_partial_file(space):
+    """A forked child (a DataLoader worker, a subprocess) closes its copy of the
+    writer's descriptor: that FLUSH is not the writer's close, so the under-storage
+    must not show the half-written file while the parent keeps writing."""
+    import time
+    from tests.e2e.contract_util import Poller
+    p = space.mnt / "shard.pt"
+    chunk = pattern(256 << 10, 9)
+    f = open(p, "wb", buffering=0)
+    f.write(chunk)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)          # closes the inherited descriptor: a FLUSH
+    os.waitpid(pid, 0)
+    with Poller(space.ufs_dir) as poll:
+        t_end = time.monotonic() + 1.5       # well past the flush delay
+        n = 1
+        while time.monotonic() < t_end:
+            f.write(chunk)
+            n += 1
+            time.sleep(0.01)
+        f.close()
+        space.flush()
+    partial = {s["shard.pt"] for s in poll.snaps if "shard.pt" in s} - {n * len(chunk)}
+    assert not partial, f"the under-storage showed shard.pt with {sorted(partial)} bytes"
+    assert ufs_real(space.ufs_files()) == {"shard.pt": chunk * n}
