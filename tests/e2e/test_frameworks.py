@@ -62,7 +62,10 @@ def both(node, local_root, tmp_path, kind: str, phase: str = "a", watcher_kw=Non
     return [what for _, what in read_events(events)]
 
 
-def test_torch_save_load_overwrite(node, local_root, tmp_path):
+def test_torch_save_load_overwrite(make_node, local_root, tmp_path):
+    # a 10 s flush delay: in phase a nothing has started persisting when model.pt is
+    # overwritten (flush --wait skips the delay)
+    node = make_node(flush_delay=10.0)
     # phase a: save 80 MiB, torch.load (also mmap=True), overwrite in place before it persisted
     both(node, local_root, tmp_path, "torch_save", "a")
     # phase b: overwrite in place after it was persisted (both() flushed it)
