@@ -16,7 +16,7 @@ from acache.bench import fio
 from acache.bench.ckpt import CkptWorkers, WorkerError
 from acache.bench.procs import Owned, drop_caches
 from acache.bench.report import Measurement
-from acache.bench.targets import AcacheTarget, RcloneTarget, S3Server, clear_dir
+from acache.bench.targets import AcacheTarget, RcloneTarget, S3Server
 
 MiB = 1 << 20
 PART, PARALLEL = 16 * MiB, 8     # acache's s3:// defaults, used for the direct upload too
@@ -40,7 +40,8 @@ class Place:
         os.sync()
 
     def clear(self, sub: str) -> None:
-        shutil.rmtree(self.base / sub, ignore_errors=False)
+        if os.path.lexists(self.base / sub):
+            shutil.rmtree(self.base / sub)
         self.settle()
 
 
@@ -198,10 +199,12 @@ class Bench:
                     if ("*", p.id) in self.broken:
                         continue
                     sub = f"fio-{jobs}"
-                    d = p.dir(sub)
+                    d = p.base / sub
                     w = self.measure(1, wtest, p.id, rep, "mib_s", "raw",
-                                     lambda: fio.run_fio(d, "write", size, jobs), record=1 in cases)
+                                     lambda: fio.run_fio(p.dir(sub), "write", size, jobs),
+                                     record=1 in cases)
                     if w is None or not self.settle(p):
+                        self.settle(p, sub)
                         continue
                     if 2 in cases and not isinstance(p, RclonePlace):
                         if not drop_caches() and not self._warned_drop:

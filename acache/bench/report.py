@@ -102,6 +102,14 @@ def _ratio(x) -> str:
     return "—" if x is None else f"{x:.2f}×"
 
 
+def _spread(r: Row) -> str:
+    """(max - min) / median of the primary metric over the reps: how noisy the row is."""
+    med = r.median.get(r.primary)
+    if r.n < 2 or not med:
+        return "—"
+    return f"±{(max(r.values) - min(r.values)) / med * 50:.0f}%"
+
+
 def tables(rows: list[Row]) -> list[Table]:
     out = []
     for case in sorted({r.case for r in rows}):
@@ -122,6 +130,7 @@ def tables(rows: list[Row]) -> list[Table]:
             t.add_column("MiB/s", justify="right")
             t.add_column("seconds", justify="right")
             t.add_column("× direct", justify="right")
+        t.add_column("spread", justify="right")
         t.add_column("n", justify="right")
         last = None
         for r in rs:
@@ -138,7 +147,7 @@ def tables(rows: list[Row]) -> list[Table]:
                 cells = [_f(m["seconds"], 3), _ratio(r.ratio), _ratio(r.s3_over)]
             else:
                 cells = [_f(m["mib_s"]), _f(m.get("seconds"), 3), _ratio(r.ratio)]
-            t.add_row(test, label(r.target), *cells, str(r.n))
+            t.add_row(test, label(r.target), *cells, _spread(r), str(r.n))
         out.append(t)
     return out
 

@@ -26,17 +26,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def clear_dir(path: Path) -> None:
-    """Remove everything inside path (not path itself)."""
-    if not path.exists():
-        return
-    for p in path.iterdir():
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
-
-
 # -- the S3 server --------------------------------------------------------------------------
 class S3Server:
     """moto's server mode on 127.0.0.1 (any credentials are accepted)."""
