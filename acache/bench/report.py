@@ -23,7 +23,7 @@ CASES = {
 }
 LABELS = {
     "raw": "raw disk (cache fs)", "dir": "directory (file:// under-storage)",
-    "s3": "S3 direct (minio SDK)", "rclone": "rclone mount --vfs-cache-mode writes",
+    "s3": "S3 direct (minio SDK)", "rclone": "rclone mount (vfs-cache writes)",
     "upload": "minio upload (same server)", "cp": "cp + fsync to the directory",
 }
 
