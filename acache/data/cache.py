@@ -138,6 +138,9 @@ class CacheDir:
                     self.lru[ino] = gen
                     self.lru.move_to_end(ino)
             self.space.notify_all()
+        if not dirty and self.used() > self.limit:
+            self.make_room(0)   # clean again and over the limit (passthrough writes are not
+                                # seen until close): evict now, not at the next open
 
     def touch(self, ino: int) -> None:
         with self._lock:
