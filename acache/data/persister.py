@@ -215,8 +215,10 @@ class Persister:
 
     def _start_stage(self, e: Entry) -> None:
         self.failed.pop(e.seq, None)     # a new attempt: its last failure is history
-        e.token = self.under.new_token(e.path)
         txn = self.meta.txn()
+        if e.token:                      # an earlier attempt's leftovers may remain
+            txn.orphan_stage(e.token)
+        e.token = self.under.new_token(e.path)
         txn.update_entry(e)
         txn.commit()
         job = Job(e)
@@ -273,16 +275,22 @@ class Persister:
                 job.staged.abort()
             except Exception as exc:
                 log.warning("aborting the stage of %s failed: %s", e.path, exc)
-        self._cleanup(e.token)
+        cleaned = self._cleanup(e.token)
         with self.lock:
+            if cleaned:   # the cancelled entry's token was recorded (Txn.remove_entry)
+                txn = self.meta.txn()
+                txn.forget_stage(e.token)
+                txn.commit()
             self.gc(e.ino, e.gen)
             self.cond.notify_all()
 
-    def _cleanup(self, token: str) -> None:
+    def _cleanup(self, token: str) -> bool:
         try:
             self.under.cleanup(token)
-        except Exception as e:  # leftovers are cleaned again at restart
+            return True
+        except Exception as e:  # the token stays recorded: cleaned again at restart
             log.warning("cleanup of %s failed: %s", token, e)
+            return False
 
     def _apply(self, e: Entry, job: Job | None) -> None:
         if e.op == "put":
@@ -321,6 +329,8 @@ class Persister:
             self.last_error = ""          # nothing is failing or waiting for a retry any more
         txn = self.meta.txn()
         txn.remove_entry(e.seq)
+        if e.token:
+            txn.forget_stage(e.token)     # committed: nothing of it is left to clean
         if e.op == "put":
             node = self.meta.get(e.ino)
             if node is not None:
@@ -375,4 +385,12 @@ class Persister:
             self._retry_at[e.seq] = time.monotonic() + delay
             self.cond.notify_all()
         if e.op == "put" and e.token:
-            self._cleanup(e.token)
+            token = e.token
+            if self._cleanup(token):
+                with self.lock:
+                    txn = self.meta.txn()
+                    txn.forget_stage(token)
+                    if self.meta.entry(e.seq) is e and e.token == token:
+                        e.token = ""      # nothing of that attempt is left
+                        txn.update_entry(e)
+                    txn.commit()

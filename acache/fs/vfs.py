@@ -458,6 +458,14 @@ class VFS(FileOps):
                     e.token = ""
                     txn.update_entry(e)
                     out["stages"] += 1
+            for token in self.meta.orphan_stages():   # of entries cancelled mid-stage
+                try:
+                    self.under.cleanup(token)
+                except UnderStoreError as err:
+                    log.warning("cleaning up the abandoned stage %s failed: %s", token, err)
+                    continue
+                txn.forget_stage(token)
+                out["stages"] += 1
             for node in self.meta.inodes():
                 if node.is_dir:
                     continue

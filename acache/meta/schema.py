@@ -6,6 +6,9 @@
     J<seq:u64>              -> msgpack    a journal entry (Entry.pack), applied to the
                                           under-storage in seq order by the persister
     N<node-id>              -> msgpack    node registry (placement: which host holds data)
+    T<token>                -> b""        a stage token no journal entry holds any more (the
+                                          entry was cancelled, or staged again under a new
+                                          token): its leftovers are cleaned, at restart too
 
 The namespace (I, D) and the journal (J) change together in one atomic batch.
 """
@@ -47,3 +50,8 @@ def journal_key(seq: int) -> bytes:
 INODE_PREFIX = b"I"
 DENTRY_PREFIX = b"D"
 JOURNAL_PREFIX = b"J"
+STAGE_PREFIX = b"T"
+
+
+def stage_key(token: str) -> bytes:
+    return STAGE_PREFIX + token.encode("utf-8", "surrogateescape")

@@ -163,6 +163,18 @@ class Txn:
                     del self.store._moves_of[ino]
         self.puts.pop(K.journal_key(seq), None)
         self.deletes.append(K.journal_key(seq))
+        if e is not None and e.token:   # a stage may have left something behind
+            self.orphan_stage(e.token)
+
+    def orphan_stage(self, token: str) -> None:
+        """No entry holds ``token`` any more: remember it until its leftovers are gone."""
+        self.puts[K.stage_key(token)] = b""
+
+    def forget_stage(self, token: str) -> None:
+        """``token``'s stage was committed or cleaned up."""
+        key = K.stage_key(token)
+        self.puts.pop(key, None)
+        self.deletes.append(key)
 
     def commit(self, sync: bool = False) -> None:
         for ino in self.dirty_inodes.values():
@@ -243,6 +255,10 @@ class MetaStore:
 
     def entry(self, seq: int) -> Entry | None:
         return self._journal.get(seq)
+
+    def orphan_stages(self) -> list[str]:
+        """Stage tokens no entry holds, whose leftovers may still exist (schema: T)."""
+        return [k[1:].decode("utf-8", "surrogateescape") for k, _ in self.kv.scan(K.STAGE_PREFIX)]
 
     def puts_of(self, ino: int) -> list[Entry]:
         return [self._journal[s] for s in sorted(self._puts_of.get(ino, ()))]

@@ -646,6 +646,46 @@ test_rewrite_after_marker_keeps_order.flush_delay = 1.0   # the first close stil
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_crash_right_after_cancelling_a_stage(rig):
+    """A big file is being staged (its temp file is in the under-storage) when it is
+    deleted or renamed — the stage is cancelled — and the daemon is killed at once:
+    after restart nothing of that stage is left in the under-storage, the deleted
+    file stays deleted and the renamed one lands complete under its new name."""
+    def run():
+        node = rig.node
+        (node.mnt / "big").mkdir()
+        node.flush()
+        expect: dict[str, bytes] = {}
+        for i in range(6):
+            data = content(rig.seed, f"big{i}", 48 << 20)
+            path = node.mnt / "big" / f"f{i}"
+            path.write_bytes(data)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not any(
+                    n.startswith(".acache-tmp") for n in os.listdir(node.ufs_dir / "big")):
+                time.sleep(0.0005)
+            if i % 2:
+                os.rename(path, node.mnt / "big" / f"g{i}")
+                expect[f"big/g{i}"] = data
+            else:
+                os.unlink(path)
+            rig.kill()
+            rig.kills.append(f"big/f{i}: {'renamed' if i % 2 else 'deleted'} while staging")
+            node.restart()
+            rig.daemon_pid = rig._pid()
+            node.flush(timeout=120)
+            got = {p: b for p, b in node.ufs_files().items() if p.startswith("big/")}
+            assert sorted(got) == sorted(expect), f"round {i}: {sorted(got)}"
+            for p, b in expect.items():
+                assert got[p] == b, p
+    _with_seed(rig, run)
+
+
+test_crash_right_after_cancelling_a_stage.flush_delay = 0.0
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_crash_dir_rename(rig):
     """A populated directory, partly persisted, renamed: kill just before, during, after."""
     def run():
