@@ -10,12 +10,16 @@
     chunk_size  = 8 MiB read-through fetch unit
     upload_concurrency = 4 files staged in parallel
     [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
-         concurrency, verify_tls, connect_timeout, read_timeout (acache.data.under.s3)
+         multipart_threshold, concurrency, content_md5, verify_tls, connect_timeout,
+         read_timeout
+         (acache.data.under.s3)
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -26,7 +30,8 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
           "tib": 1 << 40}
 S3_KEYS = {"endpoint", "region", "access_key", "secret_key", "session_token", "addressing",
-           "part_size", "concurrency", "verify_tls", "connect_timeout", "read_timeout"}
+           "part_size", "multipart_threshold", "concurrency", "content_md5", "verify_tls",
+           "connect_timeout", "read_timeout"}
 
 
 def parse_size(value: object, what: str = "size") -> int:
@@ -72,7 +77,11 @@ class Settings:
 
     @property
     def socket_path(self) -> Path:
-        return self.home / "acache.sock"
+        path = self.home / "acache.sock"
+        if len(str(path).encode()) < 100:      # unix socket paths are limited to 108 bytes
+            return path
+        digest = hashlib.sha1(str(self.home).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"acache-{digest}.sock"
 
     @property
     def log_path(self) -> Path:

@@ -39,6 +39,7 @@ class CacheDir:
         self.evict_hook = None                             # (ino, gen) -> bool: evict if still clean
         self.on_stall = None                               # () -> None: writers wait, persist now
         self.stalls = 0
+        self._reflink: bool | None = None
 
     def path(self, ino: int, gen: int) -> str:
         return os.path.join(self.dir, f"{ino:x}.{gen}")
@@ -101,6 +102,29 @@ class CacheDir:
         finally:
             os.close(src)
             os.close(dst)
+
+    CLONE_MAX = 64 << 20      # copy a generation up to this size when reflinks are missing
+
+    def cheap_clone(self, size: int) -> bool:
+        """Is cloning a generation of ``size`` bytes cheap here (reflink, or small)?"""
+        if self._reflink is None:
+            a = os.path.join(self.dir, ".reflink-probe-a")
+            b = os.path.join(self.dir, ".reflink-probe-b")
+            try:
+                with open(a, "wb") as fa, open(b, "wb") as fb:
+                    fa.write(b"x")
+                    fa.flush()
+                    fcntl.ioctl(fb.fileno(), FICLONE, fa.fileno())
+                self._reflink = True
+            except OSError:
+                self._reflink = False
+            finally:
+                for p in (a, b):
+                    try:
+                        os.unlink(p)
+                    except FileNotFoundError:
+                        pass
+        return self._reflink or size <= self.CLONE_MAX
 
     def remove(self, ino: int, gen: int) -> None:
         with self._lock:

@@ -191,8 +191,8 @@ class Persister:
             if not first_put and self._outage:
                 break            # the under-storage is failing: only the first PUT probes it
             first_put = False
-            if e.seq in self.jobs:
-                continue
+            if e.seq in self.jobs or e.hold:
+                continue         # a held PUT waits for its file's next close
             if any(e.path.startswith(p + "/") for p in moved):
                 # staging may create the parents of e.path (file://: the temp file lives
                 # there): not before the earlier change of one of them has landed

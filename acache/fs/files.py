@@ -144,6 +144,12 @@ class FileOps:
                 self._sig.pop(ino, None)
                 if trunc:
                     os.truncate(self.cache.path(ino, node.gen), 0)
+            elif node.cached and not trunc and not self.cache.cheap_clone(node.size) \
+                    and self.meta.gen_pending(ino, node.gen) \
+                    and journal.hold_put(self.meta, txn, self.persister, node):
+                # a big file, no reflink: rather than copy it, write in place; its PUT
+                # keeps its place and waits for this writer's close
+                self._sig.pop(ino, None)
             elif self.meta.gen_pending(ino, node.gen) or self.persister.uses(ino, node.gen) \
                     or not node.cached:
                 node.gen += 1

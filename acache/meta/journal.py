@@ -46,6 +46,11 @@ def _cancel(txn: Txn, inflight: Inflight, e: Entry) -> None:
 
 def journal_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> Entry:
     """The file was closed: commit its current generation at its current path."""
+    for e in meta.puts_of(node.ino):
+        if e.hold and e.gen == node.gen:     # reopened in place: its PUT keeps its place
+            e.hold, e.size, e.path = False, node.size, meta.path_of(node.ino)
+            txn.update_entry(e)
+            return e
     replaces = False
     for old in reversed(meta.journal()):
         if old.ino != node.ino or old.op != "put" or inflight.state(old.seq) != "":
@@ -54,6 +59,23 @@ def journal_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> E
         _cancel(txn, inflight, old)
     return txn.append(op="put", path=meta.path_of(node.ino), ino=node.ino, gen=node.gen,
                       size=node.size, replaces=replaces)
+
+
+def hold_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> bool:
+    """A closed file whose PUT has not started is opened for writing again, and copying
+    it would be costly: write it in place; its PUT keeps its place in the journal but
+    waits for the next close and then commits what the file holds by then.  Nothing
+    journaled after it can land before it, so ordering holds; the under-storage just
+    gets the file's newer content.  False if a PUT of it is being committed."""
+    mine = [e for e in meta.puts_of(node.ino) if e.gen == node.gen]
+    if any(inflight.state(e.seq) == "committing" for e in mine):
+        return False
+    for e in mine:
+        if inflight.state(e.seq) == "staging":
+            inflight.abort(e.seq)       # its bytes are about to change
+        e.hold = True
+        txn.update_entry(e)
+    return True
 
 
 def on_reopen(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> None:
@@ -133,6 +155,6 @@ def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
         path = new + meta.path_of(e.ino)[len(old):]   # e.path may predate an ancestor's rename
         lands = path == new
         txn.append(op=e.op, path=path, ino=e.ino, gen=e.gen, size=e.size,
-                   replaces=lands and replaces_remote)
+                   replaces=lands and replaces_remote, hold=e.hold)
         moved = moved or lands
     return moved

@@ -82,6 +82,8 @@ class Entry:
     inos: list = field(default_factory=list)
     replaces: bool = False    # put/mkdir landing on the object of a file/dir it replaced by
                               # rename: cancelling it must delete that object (journal.py)
+    hold: bool = False        # put of a file reopened for writing in place: it keeps its
+                              # place but waits for the next close (journal.hold_put)
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self), use_bin_type=True, unicode_errors=_NAMES)

@@ -46,3 +46,11 @@ def test_missing_config_file(tmp_path):
 @pytest.mark.parametrize("text,n", [("10", 10), ("4k", 4096), ("1.5GiB", 3 << 29), ("2 MB", 2 << 20)])
 def test_parse_size(text, n):
     assert config.parse_size(text) == n
+
+
+def test_long_home_gets_a_short_socket_path(tmp_path):
+    home = tmp_path / ("x" * 120)
+    s = config.load(home=home)
+    assert len(str(s.socket_path)) < 100
+    assert s.socket_path == config.load(home=home).socket_path   # the CLI and the daemon agree
+    assert config.load(home=tmp_path).socket_path == tmp_path / "acache.sock"

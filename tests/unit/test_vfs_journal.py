@@ -289,3 +289,25 @@ def test_read_through_fetches_in_large_chunks(tmp_path):
         assert len(reads) <= 5, reads                 # 5 chunks of 1 MiB, each fetched once
     finally:
         r.stop()
+
+
+def test_reopen_of_big_pending_file_is_held_in_place_not_copied(tmp_path):
+    r = Rig(tmp_path, flush_delay=5)
+    try:
+        r.cache.CLONE_MAX = 0                    # every file counts as big here
+        r.cache._reflink = False
+        a = r.write(ROOT_INO, b"shard", b"A" * 1000)
+        r.write(ROOT_INO, b"marker", b"m")
+        fh = r.vfs.open(a, os.O_WRONLY)
+        assert sorted(os.listdir(r.cache.dir)) == [f"{a:x}.0", f"{a + 1:x}.0"]   # no copy
+        r.p.hurry(r.meta.last_seq())
+        time.sleep(0.3)
+        assert [c for c in r.store.calls if c[0] == "commit"] == []   # the marker waits
+        r.vfs.write(fh, 1000, b"B")
+        r.vfs.flush(fh)
+        r.vfs.release(fh)
+        r.drain()
+        assert [p for op, p in r.store.calls if op == "commit"] == ["shard", "marker"]
+        assert r.files() == {"shard": b"A" * 1000 + b"B", "marker": b"m"}
+    finally:
+        r.stop()
