@@ -52,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="parallel parts, for both (default: acache's s3:// default)")
     ap.add_argument("--multipart-threshold", default=None,
                     help="acache's s3:// multipart_threshold (default: its default)")
+    ap.add_argument("--content-md5", default="true", choices=["true", "false"],
+                    help="acache's s3:// content_md5 (default true: MD5 + ETag checks)")
     ap.add_argument("--upload-concurrency", type=int, default=None,
                     help="files in parallel, for both (default: acache's default)")
     ap.add_argument("--profile", action="store_true",
@@ -104,6 +106,7 @@ class Run:
         env = dict(self.s3.acache_env(), ACACHE_FLUSH_DELAY="3600",
                    ACACHE_S3_PART_SIZE=str(a.part_size), ACACHE_S3_CONCURRENCY=str(a.concurrency),
                    ACACHE_UPLOAD_CONCURRENCY=str(a.upload_concurrency))
+        env["ACACHE_S3_CONTENT_MD5"] = a.content_md5
         if a.multipart_threshold:
             env["ACACHE_S3_MULTIPART_THRESHOLD"] = a.multipart_threshold
         self.node = AcacheTarget(root / "acache", a.engine, f"s3://{self.s3.bucket}/acache", env)
@@ -179,8 +182,8 @@ def main(argv=None) -> int:
         mcpu = {k: statistics.median(v) for k, v in cpus.items()}
         t = Table(title=f"persist to S3 (moto on 127.0.0.1): {total / MiB:.0f} MiB in {a.files} "
                         f"file(s), part {a.part_size // MiB} MiB x {a.concurrency}, "
-                        f"{a.upload_concurrency} files in parallel, {a.engine}, "
-                        f"median of {a.repeat}")
+                        f"{a.upload_concurrency} files in parallel, content_md5 {a.content_md5}, "
+                        f"{a.engine}, median of {a.repeat}")
         for col in ("target", "MiB/s", "seconds", "CPU s/GiB", "vs direct"):
             t.add_column(col, justify="left" if col == "target" else "right")
         gib = total / (1 << 30)

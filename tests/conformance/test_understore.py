@@ -605,6 +605,47 @@ def test_s3_cleanup_spares_live_stages_of_the_same_key(s3backend):
     assert store.stat("f").size == 6 * MiB
 
 
+def test_s3_multipart_threshold(s3backend):
+    """From multipart_threshold up, the bytes move in stage() (a one-part multipart
+    upload); the commit is only CompleteMultipartUpload.  Below it, one PutObject."""
+    store = s3backend.open(part_size=5 * MiB, multipart_threshold=MiB)
+    mid, small = os.urandom(2 * MiB), os.urandom(1000)
+    s_mid = store.stage("mid", store.new_token("mid"), s3backend.src(mid), len(mid))
+    s_small = store.stage("small", store.new_token("small"), s3backend.src(small), len(small))
+    assert s_mid.upload_id is not None and s_small.upload_id is None
+    assert len(s3backend.leftovers()) == 1 and store.stat("mid") is None
+    s_mid.commit()
+    s_small.commit()
+    assert store.read("mid", 0, len(mid)) == mid and store.read("small", 0, 1000) == small
+    assert s3backend.leftovers() == []
+
+
+@pytest.mark.parametrize("size", [1000, 6 * MiB])
+def test_s3_bytes_changed_in_flight_are_caught(s3backend, size):
+    """moto does not check Content-MD5: bytes corrupted on the way are stored, and
+    the ETag check (part ETag, or PutObject ETag, == MD5 of what was read) catches it."""
+    store = s3backend.open(part_size=5 * MiB)
+    put, part = store.wire.put, store.wire.upload_part
+
+    def flip(data: bytes) -> bytes:
+        return bytes([data[0] ^ 1]) + data[1:]
+    store.wire.put = lambda key, data, md5: put(key, flip(data), md5)
+    store.wire.upload_part = lambda key, uid, n, data, md5: part(key, uid, n, flip(data), md5)
+    data = os.urandom(size)
+    with pytest.raises(PermanentError, match="ETag"):
+        store.stage("f", store.new_token("f"), s3backend.src(data), size).commit()
+
+
+def test_s3_content_md5_off(s3backend):
+    store = s3backend.open(part_size=5 * MiB, content_md5="false")
+    assert store.content_md5 is False
+    for size in (1000, 6 * MiB):
+        data = os.urandom(size)
+        store.stage("f", store.new_token("f"), s3backend.src(data), size).commit()
+        assert store.read("f", 0, size) == data
+    assert s3backend.leftovers() == []
+
+
 def test_s3_commit_of_aborted_upload_is_transient(s3backend):
     store = s3backend.open(part_size=5 * MiB)
     staged = store.stage("f", store.new_token("f"), s3backend.src(os.urandom(6 * MiB)), 6 * MiB)

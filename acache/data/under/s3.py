@@ -14,7 +14,13 @@ the AWS variable shown; explicit keyword > ACACHE_S3_* > AWS_*):
                    (none anywhere: anonymous requests)
     addressing     path | virtual | auto (default auto: virtual for AWS)
     part_size      multipart part size, bytes or "16MiB" (default 16 MiB, 5 MiB..5 GiB)
+    multipart_threshold   files at least this big go up as multipart uploads, even
+                   in one part (default 1 MiB): see Uploads
     concurrency    parallel part uploads / copies per store (default 8)
+    content_md5    default true: Content-MD5 on every upload and the ETags checked
+                   (see Uploads).  false skips both: over http that saves hashing
+                   ~1.4 s of CPU per GiB, integrity is left to the SHA-256 the SDK
+                   signs; over https the SDK sends its own Content-MD5 anyway
     verify_tls     default true; SSL_CERT_FILE names a CA bundle
     connect_timeout, read_timeout   seconds (default 5 and 60)
 
@@ -25,11 +31,16 @@ Directories implied by deeper keys and markers written by other tools are
 listed as directories.  A name that is both a file and a prefix lists as the
 file.  Deleting a path that is a directory deletes nothing.
 
-Uploads: a file smaller than part_size is read into memory at stage() and sent
-by one PutObject (Content-MD5) at commit().  Larger files: stage() runs
-CreateMultipartUpload and uploads parts in parallel (each with Content-MD5,
-and its returned ETag checked against the MD5 sent); commit() is
-CompleteMultipartUpload.  Progress is reported from stage(), in the caller's
+Uploads: a file smaller than multipart_threshold is read into memory at stage()
+and sent by one PutObject (Content-MD5, the returned ETag checked) at commit().
+Larger files: stage() runs CreateMultipartUpload and uploads parts in parallel
+(each with Content-MD5, and its returned ETag checked against the MD5 sent);
+commit() is CompleteMultipartUpload (its ETag checked: the MD5 of the parts'
+MD5s, "-<count>").  Commits are taken one at a time, in order, so a
+commit that carries the data (PutObject) serializes the transfers: from
+multipart_threshold up, the bytes move in the parallel stage() and the ordered
+commit is a short CompleteMultipartUpload (and files staged ahead hold no data
+in memory).  Progress is reported from stage(), in the caller's
 thread, as parts reach the server (single PUT: once the bytes are in memory);
 an exception raised by the callback stops the stage and aborts its upload.
 
@@ -162,7 +173,8 @@ _AWS_ENV = {
 }
 _DEFAULTS = {
     "endpoint": "https://s3.amazonaws.com", "region": None, "addressing": "auto",
-    "part_size": 16 * MiB, "concurrency": 8, "verify_tls": True,
+    "part_size": 16 * MiB, "multipart_threshold": 1 * MiB, "concurrency": 8,
+    "content_md5": True, "verify_tls": True,
     "connect_timeout": 5.0, "read_timeout": 60.0,
 }
 _CREDS = ("access_key", "secret_key", "session_token")
@@ -189,15 +201,20 @@ def resolve_options(kwargs: dict, env=None) -> dict:
         out[k] = creds.get(k)
     try:
         out["part_size"] = parse_size(out["part_size"], "s3:// part_size")
+        out["multipart_threshold"] = parse_size(out["multipart_threshold"],
+                                                "s3:// multipart_threshold")
         out["concurrency"] = int(out["concurrency"])
         out["connect_timeout"] = float(out["connect_timeout"])
         out["read_timeout"] = float(out["read_timeout"])
     except (TypeError, ValueError) as e:
         raise ConfigError(f"bad s3:// option value: {e}") from e
-    if isinstance(out["verify_tls"], str):
-        out["verify_tls"] = out["verify_tls"].strip().lower() not in ("0", "false", "no", "off")
+    for k in ("verify_tls", "content_md5"):
+        if isinstance(out[k], str):
+            out[k] = out[k].strip().lower() not in ("0", "false", "no", "off")
     if not MIN_PART <= out["part_size"] <= MAX_PART_SIZE:
         raise ConfigError(f"s3:// part_size must be 5 MiB..5 GiB, got {out['part_size']}")
+    if out["multipart_threshold"] > MAX_PART_SIZE:
+        raise ConfigError("s3:// multipart_threshold must be at most 5 GiB (a PutObject)")
     if out["concurrency"] < 1:
         raise ConfigError("s3:// concurrency must be >= 1")
     if out["addressing"] not in ("path", "virtual", "auto"):
@@ -214,9 +231,11 @@ class _Wire:
     def __init__(self, client: Minio, bucket: str):
         self.c, self.b = client, bucket
 
-    def put(self, key: str, data: bytes, md5_b64: str) -> str:
-        res = self.c._put_object(self.b, key, data, {
-            "Content-MD5": md5_b64, "Content-Type": "application/octet-stream"})
+    def put(self, key: str, data: bytes, md5_b64: str | None) -> str:
+        headers = {"Content-Type": "application/octet-stream"}
+        if md5_b64:
+            headers["Content-MD5"] = md5_b64
+        res = self.c._put_object(self.b, key, data, headers)
         return res.etag or ""
 
     def create_upload(self, key: str) -> str:
@@ -224,16 +243,17 @@ class _Wire:
             self.b, key, {"Content-Type": "application/octet-stream"})
 
     def upload_part(self, key: str, upload_id: str, number: int, data: bytes,
-                    md5_b64: str) -> str:
-        etag = self.c._upload_part(self.b, key, data, {"Content-MD5": md5_b64},
-                                   upload_id, number)
+                    md5_b64: str | None) -> str:
+        headers = {"Content-MD5": md5_b64} if md5_b64 else {}
+        etag = self.c._upload_part(self.b, key, data, headers, upload_id, number)
         return (etag or "").strip('"')
 
-    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> None:
+    def complete(self, key: str, upload_id: str, parts: list[tuple[int, str]]) -> str:
         res = self.c._complete_multipart_upload(
             self.b, key, upload_id, [Part(n, e) for n, e in parts])
         if not res.etag:  # S3 may answer 200 with an <Error> body
             raise TransientError(f"CompleteMultipartUpload of {key!r} returned no ETag")
+        return res.etag.strip('"')
 
     def abort(self, key: str, upload_id: str) -> None:
         try:
@@ -275,6 +295,8 @@ class S3Store:
         self.prefix = prefix + "/" if prefix else ""
         o = resolve_options(options)
         self.part_size, self.concurrency = o["part_size"], o["concurrency"]
+        self.multipart_threshold = max(1, o["multipart_threshold"])
+        self.content_md5 = o["content_md5"]
         ep = urlsplit(o["endpoint"] if "://" in o["endpoint"] else "https://" + o["endpoint"])
         if ep.scheme not in ("http", "https") or not ep.netloc or ep.path not in ("", "/"):
             raise ConfigError(f"bad s3:// endpoint {o['endpoint']!r}: expected http(s)://host:port")
@@ -440,7 +462,7 @@ class S3Store:
         self._token_path(token)
         if self._unclean:
             self._retry_cleanups()
-        if size < self.part_size:
+        if size < self.multipart_threshold:
             try:
                 with open(src_path, "rb") as f:
                     data = f.read(size)
@@ -505,10 +527,10 @@ class S3Store:
         except OSError as e:
             raise os_error(e, f"s3 stage {key}: reading the source") from e
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        md5_hex, md5_b64 = _md5(data)
+        md5_hex, md5_b64 = _md5(data) if self.content_md5 else (None, None)
         with self._errors(f"upload part {number} of", key):
             etag = self.wire.upload_part(key, upload_id, number, data, md5_b64)
-        if etag.lower() != md5_hex:
+        if md5_hex is not None and etag.lower() != md5_hex:
             raise PermanentError(
                 f"part {number} of s3://{self.bucket}/{key}: the server's ETag {etag} is "
                 f"not the MD5 {md5_hex} of the bytes sent (server-side encryption "
@@ -664,7 +686,8 @@ class S3Store:
 
 class S3Staged:
     """Staged bytes: in memory with their MD5 (single PUT), or a multipart upload
-    with every part sent and checked."""
+    with every part sent and checked.  commit() checks the object's ETag: the MD5
+    of the bytes (PutObject), or the MD5 of the parts' MD5s and their count."""
 
     def __init__(self, store: S3Store, token: str, key: str, size: int, *,
                  data: bytes | None = None, upload_id: str | None = None,
@@ -675,7 +698,8 @@ class S3Staged:
         self.upload_id = upload_id
         self._store = store
         self._data = data
-        self._md5 = _md5(data)[1] if data is not None else None
+        self._md5_hex, self._md5 = _md5(data) if data is not None and store.content_md5 \
+            else (None, None)
         self._parts = parts or []
         self._done = False
 
@@ -692,15 +716,22 @@ class S3Staged:
             if self.upload_id is None:
                 if self._data is None:
                     raise PermanentError(f"commit of s3://{s.bucket}/{self.key} after abort")
-                s.wire.put(self.key, self._data, self._md5)
+                etag, want = s.wire.put(self.key, self._data, self._md5), self._md5_hex
             else:
+                want = self._multipart_etag()   # from the parts' ETags
                 try:
-                    s.wire.complete(self.key, self.upload_id, self._parts)
+                    etag = s.wire.complete(self.key, self.upload_id, self._parts)
                 except S3Error as e:
                     # NoSuchUpload after a lost reply: done if the object is ours
                     o = s._head(self.key) if e.code == "NoSuchUpload" else None
-                    if o is None or (o.etag or "").strip('"') != self._multipart_etag():
+                    if o is None or (o.etag or "").strip('"') != want:
                         raise
+                    etag = want
+            if s.content_md5 and etag.strip('"').lower() != want:
+                raise PermanentError(
+                    f"commit of s3://{s.bucket}/{self.key}: the server's ETag {etag} is not "
+                    f"{want}, the MD5 of the bytes sent (server-side encryption with KMS is "
+                    "not supported)")
         self._done = True
         self._data = None
         s._untrack(self.token)
