@@ -60,6 +60,9 @@ class Persister:
         self._outage = False                    # the last attempt failed: probe, one at a time
         self.gc: Callable[[int, int], None] = lambda ino, gen: None
         self.on_applied: Callable[[Entry], None] = lambda e: None
+        # asked (under the lock) before a staged PUT commits: True when the VFS withdrew it
+        # (its file was written after the close that journaled it)
+        self.withdraw: Callable[[Entry], bool] = lambda e: False
         self._retry_at: dict[int, float] = {}   # seq -> monotonic time of the next try
         self._attempts: dict[int, int] = {}
         self.failed: dict[int, str] = {}        # seq -> permanent error message
@@ -162,6 +165,9 @@ class Persister:
                     self.cond.wait(timeout)
                     continue
                 job = self.jobs.get(head.seq)
+                if head.op == "put" and job is not None and job.error is None \
+                        and self.withdraw(head):
+                    continue
                 if job is not None:
                     job.state = "committing"
                 self._applying = head.seq   # from now on the journal rules may not cancel it

@@ -234,6 +234,24 @@ class FileOps:
         return bool(self._wopen.get(ino)) and any(
             h.writable and h.ino == ino and h.gen == gen for h in self._handles.values())
 
+    def _withdraw_put(self, e) -> bool:
+        """Asked (under the lock) before a staged PUT commits.  A FLUSH journaled it while
+        the generation stayed open for writing (a fork's copy of the descriptor was
+        closed, a dup): if the bytes changed since -- passthrough writes never reach
+        write() -- they are not what that close saw, and what was staged may be torn.
+        Withdraw it; the writer's own close (or the RELEASE) journals the file again."""
+        node = self.meta.get(e.ino)
+        fd = self.cache.fd_of(e.ino, e.gen)
+        if node is None or node.gen != e.gen or fd is None or not self._gen_writers(e.ino, e.gen):
+            return False
+        s = os.fstat(fd)
+        if (s.st_size, s.st_mtime_ns) == self._sig.get(e.ino):
+            return False
+        for h in [h for h in self._handles.values()
+                  if h.writable and h.ino == e.ino and h.gen == e.gen and h.closed]:
+            self._written_after_close(h)
+        return self.meta.entry(e.seq) is None
+
     def _written_after_close(self, h: Handle) -> None:
         """A FLUSH (close(2) of one descriptor: a dup, the copy a fork+exec closed) made
         the file look closed, yet its owner writes on: it is open for writing again, and

@@ -42,6 +42,7 @@ class VFS(FileOps):
         self._lookups: dict[int, int] = {}
         self._dirs: dict[int, tuple[int, list]] = {}
         persister.gc = self.gc_gen
+        persister.withdraw = self._withdraw_put
         meta.on_freed = self.gc_gen
         cache.evict_hook = self._evict
 
