@@ -129,6 +129,9 @@ def down(no_flush: bool = typer.Option(False, "--no-flush", help="Stop without p
     s = _settings(home)
     with Client(s.socket_path, timeout=None) as c:
         res = c.call("down", flush=not no_flush, timeout=timeout)
+    deadline = time.monotonic() + 30    # gone, so that an `acache up` right after starts anew
+    while is_running(s.socket_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
     if no_flush and res.get("left_dirty"):
         err.print(f"[yellow]warning:[/] {res['left_dirty']} journal entries stay dirty in "
                   f"{s.cache_path}; they are persisted at the next `acache up`")

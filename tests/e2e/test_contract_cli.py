@@ -127,3 +127,5 @@ def test_umount_remount_and_down_persists(make_node):
     assert str(n.mnt) not in fuse_mounts()
     assert ufs_real(n.ufs_files()) == {"a": b"a", "b": b"b"}
     assert n.pid() is None
+    n.start()                                   # `up` right after `down` starts a new node
+    assert (n.mnt / "b").read_bytes() == b"b"
