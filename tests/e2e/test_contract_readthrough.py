@@ -30,8 +30,11 @@ def _prepopulate(n) -> dict[str, bytes]:
 def test_readthrough_visible_and_identical(make_node):
     n = make_node(start=False)
     files = _prepopulate(n)
+    (n.ufs_dir / "unread").mkdir()
+    (n.ufs_dir / "unread" / "a").write_bytes(pattern(50_000, 11))
+    (n.ufs_dir / "unread" / "b").write_bytes(pattern(50_000, 12))
     n.start()
-    assert sorted(os.listdir(n.mnt)) == ["ckpt", "empty", "emptydir", "top.txt"]
+    assert sorted(os.listdir(n.mnt)) == ["ckpt", "empty", "emptydir", "top.txt", "unread"]
     assert sorted(os.listdir(n.mnt / "ckpt" / "step-10")) == [".metadata", "__0_0.distcp", "sub"]
     assert stat.S_ISDIR(os.stat(n.mnt / "emptydir").st_mode)
     for k, v in files.items():
@@ -51,10 +54,17 @@ def test_readthrough_visible_and_identical(make_node):
     # appending to one never fetched before
     with open(n.mnt / "ckpt/latest", "ab") as f:
         f.write(b"0")
+    # O_TRUNC over one, truncate(2) of another: neither was read before
+    with open(n.mnt / "unread" / "a", "wb") as f:
+        f.write(b"bye")
+    os.truncate(n.mnt / "unread" / "b", 10)
+    assert (n.mnt / "unread" / "b").read_bytes() == pattern(50_000, 12)[:10]
     n.flush()
     ufs = ufs_real(n.ufs_files())
     assert ufs["ckpt/step-10/sub/deep.bin"] == bytes(want)
     assert ufs["ckpt/latest"] == b"100"
+    assert ufs["unread/a"] == b"bye"
+    assert ufs["unread/b"] == pattern(50_000, 12)[:10]
     assert ufs["ckpt/step-10/__0_0.distcp"] == files["ckpt/step-10/__0_0.distcp"]
 
 
