@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -90,8 +91,9 @@ class Node:
     def stop(self) -> None:
         if not self.own:
             return
-        subprocess.run([sys.executable, "-m", "acache.cli", "down"], env=self.env,
-                       capture_output=True, timeout=600)
+        # everything was flushed already, or we are giving up (Ctrl-C): do not wait for more
+        subprocess.run([sys.executable, "-m", "acache.cli", "down", "--no-flush"], env=self.env,
+                       capture_output=True, timeout=120)
         if self.mnt is not None and str(self.mnt) in _fuse_mounts():
             subprocess.run(["umount", "-l", str(self.mnt)], capture_output=True)
 
@@ -265,6 +267,7 @@ def report(via, direct, loop_a, loop_d, ufs_label, flush_s, verified, st, same_d
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/demo", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ufs", help="under-storage: a directory, file:///dir or s3://bucket/prefix "
                                   "(default: a temp directory)")
@@ -284,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     torch.set_num_threads(min(4, os.cpu_count() or 1))
+    # SIGTERM (and Ctrl-C) unwind through the finally below: the node and mount go away
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = Path(tempfile.mkdtemp(prefix="acache-demo-"))
     tag = f"acache-demo-{os.getpid()}"
     owned = env = None
