@@ -27,6 +27,11 @@ def test_mount_on_missing_nonempty_and_twice(make_node, tmp_path):
     p = node.cli("mount", str(other), check=False)        # a second mount of the node
     one_line_error(p)
     assert str(other) not in fuse_mounts()
+    second = make_node(start=False)                     # another node, the same mount point
+    p = second.cli("mount", str(node.mnt), check=False)
+    one_line_error(p)
+    assert "mount point" in p.stderr, p.stderr
+    assert fuse_mounts().count(str(node.mnt)) == 1
     (node.mnt / "still").write_bytes(b"works")          # the good mount is untouched
     node.flush()
     assert ufs_real(node.ufs_files()) == {"still": b"works"}
