@@ -39,6 +39,7 @@ class AcacheNode:
     def cli(self, *args: str, check: bool = True, timeout: float = 120,
             input: str | None = None) -> subprocess.CompletedProcess:
         p = subprocess.run([*ACACHE, *args], env=self.env, capture_output=True, text=True,
+                           errors="surrogateescape",
                            timeout=timeout, input=input)
         if check and p.returncode != 0:
             raise AssertionError(f"acache {' '.join(args)} failed ({p.returncode}):\n"
