@@ -636,6 +636,19 @@ def test_s3_bytes_changed_in_flight_are_caught(s3backend, size):
         store.stage("f", store.new_token("f"), s3backend.src(data), size).commit()
 
 
+def test_s3_small_file_is_read_again_at_commit(s3backend):
+    """A small file's stage keeps its MD5, not its bytes; commit reads the cache file
+    again: gone by then is transient (the persister stages again)."""
+    store = s3backend.open()
+    src = s3backend.src(b"x" * 1000)
+    staged = store.stage("f", store.new_token("f"), src, 1000)
+    assert not hasattr(staged, "_data")
+    os.unlink(src)
+    with pytest.raises(TransientError):
+        staged.commit()
+    assert store.stat("f") is None
+
+
 def test_s3_content_md5_off(s3backend):
     store = s3backend.open(part_size=5 * MiB, content_md5="false")
     assert store.content_md5 is False

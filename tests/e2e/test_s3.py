@@ -352,7 +352,7 @@ def test_unpersisted_rename_and_delete_cost_no_s3_request(engine, srv, prefix, n
     n = s3_node(nodes, srv, prefix, engine=engine, flush_delay=30)
     os.listdir(n.mnt)                        # the root is listed once, before the mark
     mark = len(srv.requests())
-    data = os.urandom(7 * MiB)               # multipart, if it were uploaded
+    data = os.urandom(9 * MiB)               # multipart, if it were uploaded
     (n.mnt / "tmp-name.bin").write_bytes(data)
     os.rename(n.mnt / "tmp-name.bin", n.mnt / "final.bin")
     (n.mnt / "discard.bin").write_bytes(os.urandom(6 * MiB))

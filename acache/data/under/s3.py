@@ -14,8 +14,8 @@ the AWS variable shown; explicit keyword > ACACHE_S3_* > AWS_*):
                    (none anywhere: anonymous requests)
     addressing     path | virtual | auto (default auto: virtual for AWS)
     part_size      multipart part size, bytes or "16MiB" (default 16 MiB, 5 MiB..5 GiB)
-    multipart_threshold   files at least this big go up as multipart uploads, even
-                   in one part (default 1 MiB): see Uploads
+    multipart_threshold   files at least this big (or than part_size) go up as
+                   multipart uploads, even in one part (default 8 MiB): see Uploads
     concurrency    parallel part uploads / copies per store (default 8)
     content_md5    default true: Content-MD5 on every upload and the ETags checked
                    (see Uploads).  false skips both: over http that saves hashing
@@ -31,17 +31,18 @@ Directories implied by deeper keys and markers written by other tools are
 listed as directories.  A name that is both a file and a prefix lists as the
 file.  Deleting a path that is a directory deletes nothing.
 
-Uploads: a file smaller than multipart_threshold is read into memory at stage()
-and sent by one PutObject (Content-MD5, the returned ETag checked) at commit().
+Uploads: a file smaller than multipart_threshold is hashed at stage() and sent
+by one PutObject (Content-MD5, the returned ETag checked) at commit().
 Larger files: stage() runs CreateMultipartUpload and uploads parts in parallel
 (each with Content-MD5, and its returned ETag checked against the MD5 sent);
 commit() is CompleteMultipartUpload (its ETag checked: the MD5 of the parts'
 MD5s, "-<count>").  Commits are taken one at a time, in order, so a
 commit that carries the data (PutObject) serializes the transfers: from
 multipart_threshold up, the bytes move in the parallel stage() and the ordered
-commit is a short CompleteMultipartUpload (and files staged ahead hold no data
-in memory).  Progress is reported from stage(), in the caller's
-thread, as parts reach the server (single PUT: once the bytes are in memory);
+commit is a short CompleteMultipartUpload.  (Against moto, whose Complete
+copies the parts, a PutObject is cheaper; the 8 MiB default is the AWS CLI's.)
+Progress is reported from stage(), in the caller's
+thread, as parts reach the server (single PUT: once read and hashed);
 an exception raised by the callback stops the stage and aborts its upload.
 
 Tokens are ``<uuid>\\n<path>``.  ``cleanup(token)`` aborts that stage's upload
@@ -173,7 +174,7 @@ _AWS_ENV = {
 }
 _DEFAULTS = {
     "endpoint": "https://s3.amazonaws.com", "region": None, "addressing": "auto",
-    "part_size": 16 * MiB, "multipart_threshold": 1 * MiB, "concurrency": 8,
+    "part_size": 16 * MiB, "multipart_threshold": 8 * MiB, "concurrency": 8,
     "content_md5": True, "verify_tls": True,
     "connect_timeout": 5.0, "read_timeout": 60.0,
 }
@@ -295,7 +296,7 @@ class S3Store:
         self.prefix = prefix + "/" if prefix else ""
         o = resolve_options(options)
         self.part_size, self.concurrency = o["part_size"], o["concurrency"]
-        self.multipart_threshold = max(1, o["multipart_threshold"])
+        self.multipart_threshold = max(1, min(o["multipart_threshold"], self.part_size))
         self.content_md5 = o["content_md5"]
         ep = urlsplit(o["endpoint"] if "://" in o["endpoint"] else "https://" + o["endpoint"])
         if ep.scheme not in ("http", "https") or not ep.netloc or ep.path not in ("", "/"):
@@ -463,16 +464,11 @@ class S3Store:
         if self._unclean:
             self._retry_cleanups()
         if size < self.multipart_threshold:
-            try:
-                with open(src_path, "rb") as f:
-                    data = f.read(size)
-            except OSError as e:
-                raise os_error(e, f"s3 stage {key}: reading the source") from e
-            if len(data) != size:
-                raise PermanentError(f"source file ended at {len(data)} bytes, expected {size}")
-            staged = S3Staged(self, token, key, size, data=data)
+            data = _read_source(src_path, size, f"s3 stage {key}")
+            staged = S3Staged(self, token, key, size, src_path=src_path,
+                              md5=_md5(data) if self.content_md5 else None)
             if progress is not None:
-                progress(size)  # in memory now; sent by commit()
+                progress(size)  # read and hashed; sent (read again) by commit()
             return staged
         with self._errors("stage", key):
             return self._stage_multipart(token, key, src_path, size, progress)
@@ -684,24 +680,42 @@ class S3Store:
         return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
 
 
+def _read_source(path: str, size: int, what: str, commit: bool = False) -> bytes:
+    """The bytes of a cache file; at commit, a file gone or changed since stage() is
+    transient (the persister stages again, and stage() says what is wrong)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(size)
+    except OSError as e:
+        if commit:
+            raise TransientError(f"{what}: reading the staged cache file: {e}") from e
+        raise os_error(e, f"{what}: reading the source") from e
+    if len(data) != size:
+        raise (TransientError if commit else PermanentError)(
+            f"{what}: source file ended at {len(data)} bytes, expected {size}")
+    return data
+
+
 class S3Staged:
-    """Staged bytes: in memory with their MD5 (single PUT), or a multipart upload
-    with every part sent and checked.  commit() checks the object's ETag: the MD5
-    of the bytes (PutObject), or the MD5 of the parts' MD5s and their count."""
+    """Staged bytes: a small file hashed (its MD5, not its bytes, is kept: the
+    cache file of a pending PUT does not change, and commit() reads it again for
+    the PutObject), or a multipart upload with every part sent and checked.
+    commit() checks the object's ETag: the MD5 of the bytes (PutObject), or the
+    MD5 of the parts' MD5s and their count."""
 
     def __init__(self, store: S3Store, token: str, key: str, size: int, *,
-                 data: bytes | None = None, upload_id: str | None = None,
-                 parts: list[tuple[int, str]] | None = None):
+                 src_path: str | None = None, md5: tuple[str, str] | None = None,
+                 upload_id: str | None = None, parts: list[tuple[int, str]] | None = None):
         self.token = token
         self.key = key
         self.size = size
         self.upload_id = upload_id
         self._store = store
-        self._data = data
-        self._md5_hex, self._md5 = _md5(data) if data is not None and store.content_md5 \
-            else (None, None)
+        self._src = src_path
+        self._md5_hex, self._md5 = md5 or (None, None)
         self._parts = parts or []
         self._done = False
+        self._aborted = False
 
     def _multipart_etag(self) -> str:
         digest = hashlib.md5(b"".join(bytes.fromhex(e) for _, e in self._parts),
@@ -714,9 +728,11 @@ class S3Staged:
         s = self._store
         with s._errors("commit", self.key):
             if self.upload_id is None:
-                if self._data is None:
+                if self._aborted:
                     raise PermanentError(f"commit of s3://{s.bucket}/{self.key} after abort")
-                etag, want = s.wire.put(self.key, self._data, self._md5), self._md5_hex
+                # (changed since stage(): the server rejects the Content-MD5, BadDigest)
+                data = _read_source(self._src, self.size, f"s3 commit {self.key}", commit=True)
+                etag, want = s.wire.put(self.key, data, self._md5), self._md5_hex
             else:
                 want = self._multipart_etag()   # from the parts' ETags
                 try:
@@ -733,12 +749,11 @@ class S3Staged:
                     f"{want}, the MD5 of the bytes sent (server-side encryption with KMS is "
                     "not supported)")
         self._done = True
-        self._data = None
         s._untrack(self.token)
 
     def abort(self) -> None:
         s = self._store
-        self._data = None
+        self._aborted = True
         if self.upload_id is not None and not self._done:
             with s._errors("abort", self.key):
                 s.wire.abort(self.key, self.upload_id)
