@@ -187,10 +187,10 @@ class Persister:
         now = time.monotonic()
         wake = 1.0
         staging = sum(1 for j in self.jobs.values() if j.state == "staging")
-        moved: list[str] = []    # paths an earlier rename/delete/rmdir still has to change
+        moved: list[str] = []    # paths an earlier mkdir/rename/delete/rmdir still has to change
         first_put = True
         for e in self.meta.journal()[:WINDOW]:
-            if e.op in ("rename", "delete", "rmdir"):
+            if e.op in ("rename", "delete", "rmdir", "mkdir"):
                 moved += [p for p in (e.path, e.dst) if p]
             if e.op != "put":
                 continue
@@ -201,7 +201,8 @@ class Persister:
                 continue         # a held PUT waits for its file's next close
             if any(e.path.startswith(p + "/") for p in moved):
                 # staging may create the parents of e.path (file://: the temp file lives
-                # there): not before the earlier change of one of them has landed
+                # there): not before the earlier change of one of them has landed (a
+                # directory made there early would outlive a cancelled MKDIR)
                 continue
             at = self._eligible_at(e)
             if at > now:

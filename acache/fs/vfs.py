@@ -316,6 +316,11 @@ class VFS(FileOps):
                 replaced_remote = journal.on_delete(self.meta, txn, self.persister, dst, new_path,
                                                     append=False)
                 self._unlink_node(txn, parent_new, name_new, dst)
+                if replaced_remote and dst.is_dir:
+                    # an empty directory: removed before the rename lands, so that no
+                    # later change to the moved tree can leave it behind
+                    txn.append(op="rmdir", path=new_path, ino=dst.ino)
+                    replaced_remote = False
             lands = journal.on_rename(self.meta, txn, self.persister, src, old_path, new_path,
                                       atomic_dirs=self.under.atomic_dir_rename,
                                       replaces_remote=replaced_remote)

@@ -108,16 +108,22 @@ def on_delete(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode, path: 
     """``node`` (a file, or an empty directory) is going away from ``path``.
     Returns whether the under-storage may hold it (then a DELETE/RMDIR is
     appended, unless ``append`` is False and the caller takes care of it)."""
-    committing = replaces = False
+    committing = replaces = used = False
+    if node.is_dir:   # pending entries of other things under one of its names need it there
+        names = [path] + [e.path for e in meta.journal() if e.ino == node.ino and e.op == "rename"]
+        used = any(p.startswith(n + "/") for e in meta.journal() if e.ino != node.ino
+                   for p in (e.path, e.dst) if p for n in names)
     for e in list(meta.journal()):
         if e.ino == node.ino and e.op in ("put", "mkdir"):
             if inflight.state(e.seq) == "committing":
                 committing = True
+            elif e.op == "mkdir" and used:
+                pass        # it lands, serves those entries, and goes (RMDIR below)
             else:
                 replaces = replaces or e.replaces
                 _cancel(txn, inflight, e)
     # replaces: the object of a file this one replaced by rename is still there
-    remote = node.upath is not None or committing or replaces
+    remote = node.upath is not None or committing or replaces or used
     if not remote:   # a directory renamed before anything of it landed: nothing to move
         for e in list(meta.journal()):
             if e.ino == node.ino and e.op == "rename" and inflight.state(e.seq) != "committing":
@@ -139,8 +145,7 @@ def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
     mine = [e for e in meta.journal() if e.ino in inos and e.op in ("put", "mkdir")]
     remote = any(n.upath is not None for n in sub) \
         or any(inflight.state(e.seq) == "committing" for e in mine) \
-        or any(e.op not in ("put", "mkdir") and (e.ino in inos or inos & set(e.inos))
-               for e in meta.journal()) \
+        or any(e.op == "rename" and e.ino in inos for e in meta.journal()) \
         or (atomic_dirs and node.is_dir and bool(mine))
     if remote:
         txn.append(op="rename", path=old, dst=new, ino=node.ino, inos=sorted(inos))
