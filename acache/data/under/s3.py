@@ -50,7 +50,8 @@ and every other multipart upload in progress on the path's key that no live
 stage of this store instance owns (after a crash the upload id was never
 recorded; the uploads of live stages, even of the same key, are left alone).
 A cleanup that fails (S3 unreachable) raises, and its key is cleaned again at
-the start of the next stage(), so an outage leaves no upload open.
+the start of every later stage() until that works, so an outage leaves no
+upload open.
 
 Renames are CopyObject (multipart UploadPartCopy above 5 GiB) then delete; a
 directory is moved object by object (in parallel), so an interrupted move is
@@ -462,7 +463,10 @@ class S3Store:
             raise PermanentError("cannot stage onto the root directory")
         self._token_path(token)
         if self._unclean:
-            self._retry_cleanups()
+            try:
+                self._retry_cleanups()
+            except UnderStoreError:
+                pass  # still unreachable: kept for the next stage; this one says why
         if size < self.multipart_threshold:
             data = _read_source(src_path, size, f"s3 stage {key}")
             staged = S3Staged(self, token, key, size, src_path=src_path,
@@ -577,7 +581,7 @@ class S3Store:
                 return True
 
     def _retry_cleanups(self) -> None:
-        """Clean the keys whose cleanup failed earlier (raises while S3 is unreachable)."""
+        """Clean the keys whose cleanup failed earlier (raises while that fails)."""
         with self._lock:
             keys = list(self._unclean)
         for key in keys:
