@@ -12,7 +12,7 @@
     [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
          multipart_threshold, concurrency, content_md5, verify_tls, connect_timeout,
          read_timeout
-         (acache.data.under.s3)
+         (acache.data.under.s3); ACACHE_S3_<KEY> over the file's table
 """
 from __future__ import annotations
 
@@ -172,6 +172,14 @@ def load(config: Path | None = None, **flags) -> Settings:
         env = os.environ.get(f"ACACHE_{key.upper()}")
         if env not in (None, ""):
             values[key] = _cast(key, env, f"environment ACACHE_{key.upper()}")
+    s3_env = {k: os.environ[f"ACACHE_S3_{k.upper()}"] for k in S3_KEYS
+              if os.environ.get(f"ACACHE_S3_{k.upper()}")}
+    if s3_env:   # env over the file here too; credentials go together (never mixed)
+        s3 = dict(values.get("s3") or {})
+        if "access_key" in s3_env:
+            for k in ("access_key", "secret_key", "session_token"):
+                s3.pop(k, None)
+        values["s3"] = {**s3, **s3_env}
     for key, value in flags.items():
         if value is not None:
             values[key] = _cast(key, value, f"--{key.replace('_', '-')}") if key in _CASTS else value

@@ -54,3 +54,16 @@ def test_long_home_gets_a_short_socket_path(tmp_path):
     assert len(str(s.socket_path)) < 100
     assert s.socket_path == config.load(home=home).socket_path   # the CLI and the daemon agree
     assert config.load(home=tmp_path).socket_path == tmp_path / "acache.sock"
+
+
+def test_s3_env_over_file_credentials_together(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[s3]\nendpoint = "http://file:1"\nregion = "eu"\n'
+                   'access_key = "fa"\nsecret_key = "fs"\nsession_token = "ft"\n')
+    monkeypatch.setenv("ACACHE_S3_ENDPOINT", "http://env:2")
+    assert config.load(cfg).s3 == {"endpoint": "http://env:2", "region": "eu", "access_key": "fa",
+                                   "secret_key": "fs", "session_token": "ft"}
+    monkeypatch.setenv("ACACHE_S3_ACCESS_KEY", "ea")
+    monkeypatch.setenv("ACACHE_S3_SECRET_KEY", "es")
+    assert config.load(cfg).s3 == {"endpoint": "http://env:2", "region": "eu", "access_key": "ea",
+                                   "secret_key": "es"}
