@@ -53,6 +53,7 @@ class Persister:
         self.lock = meta.lock
         self.cond = threading.Condition(self.lock)
         self.jobs: dict[int, Job] = {}
+        self._aborting: dict[int, Job] = {}    # cancelled jobs whose stage is not thrown away yet
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-stage")
         self.concurrency = concurrency
         self.urgent_seq = 0
@@ -86,11 +87,12 @@ class Persister:
         job = self.jobs.pop(seq, None)
         if job is not None:
             job.aborted = True
+            self._aborting[seq] = job
             if job.done.is_set():   # its stage already finished: nobody else throws it away
                 try:
                     self.pool.submit(self._discard, job)
                 except RuntimeError:   # shutting down: the token is cleaned at restart
-                    pass
+                    self._aborting.pop(seq, None)
         self._retry_at.pop(seq, None)
         self.failed.pop(seq, None)
         self.cond.notify_all()
@@ -216,6 +218,10 @@ class Persister:
 
     def _head_ready(self, head: Entry) -> bool:
         if head.op != "put":
+            if any(j.entry.path.startswith(p + "/") for j in self._aborting.values()
+                   for p in (head.path, head.dst) if p):
+                return False    # a cancelled stage still has its temp file in there: moving
+                                # or removing the directory now would leave it behind
             return self._eligible_at(head) <= time.monotonic()
         job = self.jobs.get(head.seq)
         return job is not None and job.done.is_set()
@@ -288,6 +294,7 @@ class Persister:
                 txn = self.meta.txn()
                 txn.forget_stage(e.token)
                 txn.commit()
+            self._aborting.pop(e.seq, None)
             self.gc(e.ino, e.gen)
             self.cond.notify_all()
 
