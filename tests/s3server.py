@@ -205,6 +205,10 @@ class S3Server:
             self._proc = None
         if self._log is not None:
             self._log.close()
+            try:
+                os.unlink(self._log.name)
+            except OSError:
+                pass
             self._log = None
 
     close = kill
