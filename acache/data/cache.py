@@ -23,6 +23,25 @@ log = logging.getLogger("acache.cache")
 FICLONE = 0x40049409
 
 
+class _Sizes(dict):
+    """(ino, gen) -> bytes, with a running total (asked on every write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __setitem__(self, key, value) -> None:
+        self.total += value - self.get(key, 0)
+        super().__setitem__(key, value)
+
+    def pop(self, key, default=None):
+        value = super().pop(key, None)
+        if value is None:
+            return default
+        self.total -= value
+        return value
+
+
 class CacheDir:
     def __init__(self, root: str, limit: int, stall_timeout: float) -> None:
         self.root = root
@@ -33,7 +52,7 @@ class CacheDir:
         self._fds: dict[tuple[int, int], list[int]] = {}   # (ino, gen) -> [fd, refs]
         self._lock = threading.Lock()
         self.space = threading.Condition(self._lock)
-        self._sizes: dict[tuple[int, int], int] = {}       # bytes on disk per file we know
+        self._sizes = _Sizes()                             # bytes on disk per file we know
         self.dirty: set[tuple[int, int]] = set()           # files that may not be evicted
         self.lru: OrderedDict[int, int] = OrderedDict()    # clean ino -> gen, oldest first
         self.evict_hook = None                             # (ino, gen) -> bool: evict if still clean
@@ -171,14 +190,22 @@ class CacheDir:
             if ino in self.lru:
                 self.lru.move_to_end(ino)
 
-    def grow(self, ino: int, gen: int, end: int) -> None:
-        """A write reached ``end``: account it, and wait for room if over the limit."""
+    def account(self, ino: int, gen: int, end: int) -> bool:
+        """A write reached ``end``: account it; True if the file grew."""
         key = (ino, gen)
         with self._lock:
             if end <= self._sizes.get(key, 0):
-                return
+                return False
             self._sizes[key] = end
-        self.wait_for_room()
+            return True
+
+    def grow(self, ino: int, gen: int, end: int) -> None:
+        """A write reached ``end``: account it, and wait for room if over the limit."""
+        if self.account(ino, gen, end):
+            self.wait_for_room()
+
+    def has_room(self, need: int) -> bool:
+        return self._sizes.total + need <= self.limit
 
     def filled(self, ino: int, gen: int, nbytes: int) -> None:
         """Read-through wrote ``nbytes`` more into a clean cache file: account them."""
@@ -196,7 +223,7 @@ class CacheDir:
                 return
 
     def used(self) -> int:
-        return sum(self._sizes.values())
+        return self._sizes.total
 
     def dirty_bytes(self) -> int:
         return sum(self._sizes.get(k, 0) for k in list(self.dirty))

@@ -230,6 +230,16 @@ class FileOps:
         self.cache.grow(h.ino, h.gen, offset + n)
         return n
 
+    def write_fast(self, fh: int, offset: int, data) -> int | None:
+        """write() for an engine's event loop: never waits for cache room or the lock;
+        None when the caller must use write() (from a worker thread) instead."""
+        h = self._handles.get(fh)
+        if h is None or not h.writable or h.closed or not self.cache.has_room(len(data)):
+            return None
+        n = os.pwrite(h.fd, data, offset)
+        self.cache.account(h.ino, h.gen, offset + n)
+        return n
+
     def _gen_writers(self, ino: int, gen: int) -> bool:
         return bool(self._wopen.get(ino)) and any(
             h.writable and h.ino == ino and h.gen == gen for h in self._handles.values())
