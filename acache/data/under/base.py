@@ -23,6 +23,17 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 
+def rename_needed(src: str, dst: str) -> bool:
+    """Check a rename's paths the same way in every store: False when there is nothing
+    to do (src == dst); PermanentError for the root or a move into itself."""
+    from acache.errors import PermanentError
+    if not src or not dst:
+        raise PermanentError(f"cannot rename the root directory ({src!r} -> {dst!r})")
+    if dst.startswith(src + "/"):
+        raise PermanentError(f"cannot move {src!r} into itself ({dst!r})")
+    return src != dst
+
+
 @dataclass(frozen=True)
 class UEntry:
     name: str          # last path component

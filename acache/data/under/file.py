@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 from urllib.parse import unquote, urlsplit
 
-from acache.data.under.base import UEntry
+from acache.data.under.base import UEntry, rename_needed
 from acache.errors import ConfigError, PermanentError, TransientError, UnderStoreError
 
 TMP_PREFIX = ".acache-tmp."
@@ -316,12 +316,8 @@ class FileStore:
     def rename(self, src: str, dst: str) -> None:
         clean_path(src)
         clean_path(dst)
-        if not src or not dst:
-            raise PermanentError(f"cannot rename the root directory ({src!r} -> {dst!r})")
-        if src == dst:
+        if not rename_needed(src, dst):
             return
-        if dst.startswith(src + "/"):
-            raise PermanentError(f"cannot move {src!r} into itself ({dst!r})")
         a, b = self._abs(src), self._abs(dst)
         with self._errors("rename", f"{src} -> {dst}"):
             if not os.path.lexists(a):

@@ -27,7 +27,7 @@ import time
 import uuid
 from typing import Callable, Iterator
 
-from acache.data.under.base import UEntry
+from acache.data.under.base import UEntry, rename_needed
 from acache.data.under.file import CHUNK, NotFoundError, clean_path, name_of
 from acache.errors import ConfigError, PermanentError, TransientError
 
@@ -206,12 +206,8 @@ class MemStore:
         clean_path(src)
         clean_path(dst)
         self._enter("rename", f"{src} -> {dst}")
-        if not src or not dst:
-            raise PermanentError(f"cannot rename the root directory ({src!r} -> {dst!r})")
-        if src == dst:
+        if not rename_needed(src, dst):
             return
-        if dst.startswith(src + "/"):
-            raise PermanentError(f"cannot move {src!r} into itself ({dst!r})")
         st = self.state
         what = f"rename {src!r} -> {dst!r}"
         with st.lock:

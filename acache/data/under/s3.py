@@ -86,7 +86,7 @@ from minio.error import InvalidResponseError, S3Error, ServerError
 from minio.helpers import MAX_PART_SIZE, check_bucket_name
 
 from acache.config import parse_size
-from acache.data.under.base import UEntry
+from acache.data.under.base import UEntry, rename_needed
 from acache.data.under.file import NotFoundError, clean_path, name_of, os_error
 from acache.errors import ConfigError, PermanentError, TransientError, UnderStoreError
 
@@ -593,12 +593,8 @@ class S3Store:
 
     def rename(self, src: str, dst: str) -> None:
         sk, dk = self._key(src), self._key(dst)
-        if not src or not dst:
-            raise PermanentError(f"cannot rename the root directory ({src!r} -> {dst!r})")
-        if src == dst:
+        if not rename_needed(src, dst):
             return
-        if dst.startswith(src + "/"):
-            raise PermanentError(f"cannot move {src!r} into itself ({dst!r})")
         with self._errors("rename", f"{sk} -> {dk}"):
             o = self._head(sk)
             if o is not None:
