@@ -12,8 +12,11 @@ journal rules (acache/meta/journal.py) must handle.  At checkpoints and at the
 end: close everything, `flush --wait`, and the under-storage must equal the model
 exactly (files, bytes, directories — empty ones too — and no temp leftovers).
 
-Reproduce a failure with the seed it prints:
-    ACACHE_MODEL_SEED=<seed> ACACHE_MODEL_OPS=<n> pytest tests/e2e/test_model.py -k replay
+Reproduce a failure with the seed it prints (the operations repeat exactly; the
+persister's timing does not, so a replay may need a few tries; sweep many seeds the
+same way):
+    ACACHE_MODEL_SEED=<seed> ACACHE_MODEL_OPS=<n> ACACHE_MODEL_DELAY=<s> \
+        pytest tests/e2e/test_model.py -k replay
 """
 from __future__ import annotations
 
@@ -122,9 +125,11 @@ class Runner:
         full = self.node.root / f"model-ops-seed{self.seed}.log"
         full.write_text("\n".join(self.log) + "\n")
         msg += f"\n  all operations: {full}"
+        delay = self.node.env.get("ACACHE_FLUSH_DELAY")
         raise Failure(f"{msg}\n  seed={self.seed} step={self.step} (replay: ACACHE_MODEL_SEED="
-                      f"{self.seed} ACACHE_MODEL_OPS={self.nops} pytest tests/e2e/test_model.py "
-                      f"-k replay)\n--- last operations ---\n{tail}\n--- daemon log ---\n"
+                      f"{self.seed} ACACHE_MODEL_OPS={self.nops} ACACHE_MODEL_DELAY={delay} "
+                      f"pytest tests/e2e/test_model.py -k replay; timing differs, so a replay "
+                      f"may need a few tries)\n--- last operations ---\n{tail}\n--- daemon log ---\n"
                       f"{self.node.log_tail(30)}")
 
     def do(self, desc: str, expect: set | None, fn):
@@ -584,9 +589,10 @@ def make_node(tmp_path, engine):
         assert str(n.mnt) not in fuse_mounts()
 
 
-# (seed, ops, flush_delay): several hundred operations per run, thousands in total
+# (seed, ops, flush_delay): several hundred operations per run, thousands in total; the
+# seeds from 100 on found bugs in sweeps (ACACHE_MODEL_SEED over many seeds) and stay here
 RUNS = [(1, 450, 0.0), (2, 450, 0.01), (3, 450, 0.03), (4, 450, 0.1), (5, 450, 0.0),
-        (6, 450, 0.005)]
+        (6, 450, 0.005), (104, 500, 0.2), (118, 500, 0.05), (128, 500, 0.05), (129, 500, 0.2)]
 
 
 @pytest.mark.e2e
