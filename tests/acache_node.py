@@ -53,8 +53,13 @@ class AcacheNode:
             return ""
 
     def start(self) -> "AcacheNode":
-        self.cli("up")
-        self.cli("mount", str(self.mnt))
+        """up + mount; on any failure, nothing is left running or mounted."""
+        try:
+            self.cli("up")
+            self.cli("mount", str(self.mnt))
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def flush(self, path: str | None = None, timeout: float = 120) -> None:

@@ -23,17 +23,16 @@ def engine(request):
     return request.param
 
 
+def _need_fuse() -> None:
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.fail("e2e tests need /dev/fuse and root")
+
+
 @pytest.fixture
 def node(tmp_path, engine):
     """A running node with the mount at node.mnt over a file:// under-storage."""
-    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
-        pytest.fail("e2e tests need /dev/fuse and root")
-    n = AcacheNode(tmp_path, engine=engine)
-    try:
-        n.start()
-    except BaseException:
-        n.stop()
-        raise
+    _need_fuse()
+    n = AcacheNode(tmp_path, engine=engine).start()
     yield n
     n.stop()
     assert str(n.mnt) not in fuse_mounts(), f"{n.mnt} is still mounted after the test"
@@ -43,20 +42,13 @@ def node(tmp_path, engine):
 def make_node(tmp_path, engine):
     """A factory of nodes (AcacheNode keyword arguments; ``start=False`` to prepare the
     under-storage first); every node is stopped and its mount checked gone at teardown."""
-    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
-        pytest.fail("e2e tests need /dev/fuse and root")
+    _need_fuse()
     nodes: list[AcacheNode] = []
 
     def make(start: bool = True, **kw) -> AcacheNode:
         n = AcacheNode(tmp_path / f"n{len(nodes)}", engine=engine, **kw)
         nodes.append(n)
-        if start:
-            try:
-                n.start()
-            except BaseException:
-                n.stop()
-                raise
-        return n
+        return n.start() if start else n
     yield make
     for n in nodes:
         n.stop()
@@ -68,16 +60,10 @@ def make_node(tmp_path, engine):
 def shared_node(request, tmp_path_factory):
     """One node + mount for a whole test module (per engine): tests that need no
     special settings use a directory of it each (the ``space`` fixture)."""
-    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
-        pytest.fail("e2e tests need /dev/fuse and root")
+    _need_fuse()
     if request.param == "native" and not _native_available():
         pytest.fail("the native engine does not import")
-    n = AcacheNode(tmp_path_factory.mktemp("shared"), engine=request.param)
-    try:
-        n.start()
-    except BaseException:
-        n.stop()
-        raise
+    n = AcacheNode(tmp_path_factory.mktemp("shared"), engine=request.param).start()
     yield n
     n.stop()
     assert str(n.mnt) not in fuse_mounts(), f"{n.mnt} is still mounted after the tests"
