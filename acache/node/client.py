@@ -9,6 +9,10 @@ from acache.errors import DaemonError
 from acache.net import frame
 
 
+# the daemon's error kinds the CLI tells apart; anything else is a plain AcacheError
+_KINDS = {c.__name__: c for c in (errors.ConfigError, errors.DaemonError, errors.FlushError)}
+
+
 class Client:
     def __init__(self, path: Path | str, timeout: float | None = 30.0) -> None:
         self.path = str(path)
@@ -39,12 +43,9 @@ class Client:
                     on_progress(rep["progress"])
                 continue
             if "error" in rep:
-                cls = getattr(errors, rep.get("kind", ""), None)
-                if not (isinstance(cls, type) and issubclass(cls, errors.AcacheError)) \
-                        or cls is errors.FsError:
-                    cls = errors.AcacheError
-                raise cls(rep["error"]) if cls not in (errors.UnderStoreError,) else \
-                    errors.AcacheError(rep["error"])
+                kind = rep.get("kind", "")
+                cls = _KINDS.get(kind, errors.AcacheError)
+                raise cls(rep["error"])
             return rep.get("ok")
 
     def flush(self, path: str | None, timeout: float | None, on_progress=None) -> dict:
