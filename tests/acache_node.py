@@ -18,6 +18,12 @@ def fuse_mounts() -> list[str]:
         return [ln.split()[1] for ln in f if ln.split()[2].startswith("fuse")]
 
 
+def files_under(root: Path) -> dict[str, bytes]:
+    """Every file below ``root`` (relative path -> bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 class AcacheNode:
     def __init__(self, root: Path, engine: str = "pyfuse3", ufs: str | None = None,
                  flush_delay: float = 0.2, extra_env: dict | None = None,
@@ -110,8 +116,4 @@ class AcacheNode:
 
     def ufs_files(self) -> dict[str, bytes]:
         """Everything in a file:// under-storage (relative path -> bytes)."""
-        out = {}
-        for p in sorted(self.ufs_dir.rglob("*")):
-            if p.is_file():
-                out[str(p.relative_to(self.ufs_dir))] = p.read_bytes()
-        return out
+        return files_under(self.ufs_dir)

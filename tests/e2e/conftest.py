@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from tests.acache_node import AcacheNode, fuse_mounts
+from tests.acache_node import AcacheNode, files_under, fuse_mounts
 
 ENGINES = ["pyfuse3"] + (["native"] if os.environ.get("ACACHE_TEST_NATIVE", "1") == "1" else [])
 
@@ -83,11 +83,7 @@ class Space:
         self.node.flush(str(self.mnt), timeout=timeout)
 
     def ufs_files(self) -> dict[str, bytes]:
-        out = {}
-        for p in sorted(self.ufs_dir.rglob("*")):
-            if p.is_file():
-                out[str(p.relative_to(self.ufs_dir))] = p.read_bytes()
-        return out
+        return files_under(self.ufs_dir)
 
     def cli(self, *args, **kw):
         return self.node.cli(*args, **kw)

@@ -10,7 +10,6 @@ import os
 import subprocess
 import time
 
-import pytest
 
 from tests.e2e.contract_util import pattern, ufs_real
 

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import hashlib
 import mmap
 import os
-import pathlib
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -32,24 +28,12 @@ try:
 except ImportError:
     from test_native_memvfs import MemVFS
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
-                       reason="needs root and /dev/fuse"),
-    pytest.mark.timeout(120),
-]
+try:
+    from .native_fixtures import NATIVE_MARKS, tmp_path  # noqa: F401 (a fixture)
+except ImportError:
+    from native_fixtures import NATIVE_MARKS, tmp_path  # noqa: F401
 
-
-@pytest.fixture
-def tmp_path():
-    """A private temp dir: pytest's own tmp dirs are pruned by *other* pytest sessions
-    running at the same time, and that rm -rf would walk into our live mounts."""
-    d = tempfile.mkdtemp(prefix="acache-native-test-")
-    yield pathlib.Path(d)
-    with open("/proc/self/mounts") as f:
-        left = [line.split()[1] for line in f if line.split()[1].startswith(d + "/")]
-    for mnt in reversed(left):                      # a test that failed half-way
-        native_mount.umount(mnt, lazy=True)
-    shutil.rmtree(d, ignore_errors=True)
+pytestmark = NATIVE_MARKS
 
 _libc = ctypes.CDLL(None, use_errno=True)
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2

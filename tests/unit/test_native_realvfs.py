@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
-import pathlib
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 
@@ -17,29 +14,16 @@ from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under.mem import MemStore
 from acache.fs.native import NativeEngine
-from acache.fs.native import mount as native_mount
 from acache.fs.vfs import VFS
 from acache.meta.kv_mem import MemKV
 from acache.meta.store import MetaStore
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"),
-                       reason="needs root and /dev/fuse"),
-    pytest.mark.timeout(120),
-]
+try:
+    from .native_fixtures import NATIVE_MARKS, tmp_path  # noqa: F401 (a fixture)
+except ImportError:
+    from native_fixtures import NATIVE_MARKS, tmp_path  # noqa: F401
 
-
-@pytest.fixture
-def tmp_path():
-    """A private temp dir: pytest's own tmp dirs are pruned by *other* pytest sessions
-    running at the same time, and that rm -rf would walk into our live mounts."""
-    d = tempfile.mkdtemp(prefix="acache-native-test-")
-    yield pathlib.Path(d)
-    with open("/proc/self/mounts") as f:
-        left = [line.split()[1] for line in f if line.split()[1].startswith(d + "/")]
-    for mnt in reversed(left):                      # a test that failed half-way
-        native_mount.umount(mnt, lazy=True)
-    shutil.rmtree(d, ignore_errors=True)
+pytestmark = NATIVE_MARKS
 
 
 class Node:

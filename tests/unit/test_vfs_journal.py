@@ -163,14 +163,19 @@ def test_reopen_for_write_during_upload_does_not_touch_staged_bytes(tmp_path):
         r.stop()
 
 
-def test_dir_rename_of_new_tree_is_free_and_of_persisted_tree_is_one_rename(rig):
-    rig.store.atomic_dir_rename = False       # S3-like: a prefix moves object by object
+def _staged_checkpoint(rig) -> None:
+    """tmp-checkpoint-1/ with three files, renamed to checkpoint-1 before any of it lands."""
     tmp = rig.mkdir(ROOT_INO, b"tmp-checkpoint-1")
     rig.p.flush_delay = 5
     for i in range(3):
         rig.write(tmp, b"f%d" % i, b"x")
     rig.vfs.rename(ROOT_INO, b"tmp-checkpoint-1", ROOT_INO, b"checkpoint-1", 0)
     rig.drain()
+
+
+def test_dir_rename_of_new_tree_is_free_and_of_persisted_tree_is_one_rename(rig):
+    rig.store.atomic_dir_rename = False       # S3-like: a prefix moves object by object
+    _staged_checkpoint(rig)
     assert rig.touched("tmp-checkpoint-1") == []
     assert sorted(rig.files()) == ["checkpoint-1/f0", "checkpoint-1/f1", "checkpoint-1/f2"]
     rig.vfs.rename(ROOT_INO, b"checkpoint-1", ROOT_INO, b"old-1", 0)
@@ -183,12 +188,7 @@ def test_dir_rename_of_new_tree_appears_whole_where_dir_renames_are_atomic(rig):
     """The staging pattern (tmp-checkpoint-N populated, renamed to checkpoint-N):
     on a store with atomic directory rename, checkpoint-N never shows half
     populated: the tree lands under its first name, then one rename."""
-    tmp = rig.mkdir(ROOT_INO, b"tmp-checkpoint-1")
-    rig.p.flush_delay = 5
-    for i in range(3):
-        rig.write(tmp, b"f%d" % i, b"x")
-    rig.vfs.rename(ROOT_INO, b"tmp-checkpoint-1", ROOT_INO, b"checkpoint-1", 0)
-    rig.drain()
+    _staged_checkpoint(rig)
     assert [c for c in rig.store.calls if "checkpoint-1" in c[1] and c[0] in ("commit", "rename")] \
         == [("commit", f"tmp-checkpoint-1/f{i}") for i in range(3)] \
         + [("rename", "tmp-checkpoint-1 -> checkpoint-1")]
