@@ -15,7 +15,7 @@ import pyfuse3
 import trio
 
 from acache.errors import FsError
-from acache.fs.types import Attr, Ctx
+from acache.fs.types import STATE_XATTR, Attr, Ctx
 
 log = logging.getLogger("acache.fs.pyfuse3")
 
@@ -168,6 +168,11 @@ class Ops(pyfuse3.Operations):
         return out
 
     async def getxattr(self, inode, name, ctx):
+        if name != STATE_XATTR:
+            # The kernel asks for security.capability before every WRITE (file_remove_privs;
+            # libfuse cannot negotiate HANDLE_KILLPRIV_V2): answered here, not in a worker
+            # thread, that question would double the cost of each write.
+            raise pyfuse3.FUSEError(errno.ENODATA)
         return await self._call(self.vfs.getxattr, inode, name)
 
     async def listxattr(self, inode, ctx):
