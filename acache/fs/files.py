@@ -220,6 +220,17 @@ class FileOps:
                         self.cache.note(h.ino, h.gen, dirty=False)
         return os.pread(h.fd, size, offset)
 
+    def read_fast(self, fh: int, offset: int, size: int) -> bytes | None:
+        """read() for an engine's event loop: a pread of data complete in the cache;
+        None when the caller must use read() (from a worker thread) instead."""
+        h = self._handles.get(fh)
+        if h is None:
+            return None
+        node = self.meta.get(h.ino)
+        if node is None or (h.gen == node.gen and not node.cached):
+            return None
+        return os.pread(h.fd, size, offset)
+
     def write(self, fh: int, offset: int, data) -> int:
         h = self._handle(fh)
         if not h.writable:

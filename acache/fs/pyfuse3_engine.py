@@ -107,6 +107,12 @@ class Ops(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=await self._call(self.vfs.open, inode, flags, _ctx(ctx)))
 
     async def read(self, fh, off, size):
+        try:    # a pread of cached data, mostly from the page cache: inline too
+            data = self.vfs.read_fast(fh, off, size)
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        if data is not None:
+            return data
         return await self._call(self.vfs.read, fh, off, size)
 
     async def write(self, fh, off, buf):
