@@ -160,7 +160,7 @@ class Persister:
                     self.last_error = f"internal error scheduling uploads: {type(e).__name__}: {e}"
                     self.cond.wait(1.0)
                     continue
-                head = self.meta.journal()[:1]
+                head = self.meta.head(1)
                 head = head[0] if head else None
                 ready = head is not None and self._head_ready(head)
                 if not ready:
@@ -191,7 +191,7 @@ class Persister:
         staging = sum(1 for j in self.jobs.values() if j.state == "staging")
         moved: list[str] = []    # paths an earlier mkdir/rename/delete/rmdir still has to change
         first_put = True
-        for e in self.meta.journal()[:WINDOW]:
+        for e in self.meta.head(WINDOW):
             if e.op in ("rename", "delete", "rmdir", "mkdir"):
                 moved += [p for p in (e.path, e.dst) if p]
             if e.op != "put":

@@ -38,11 +38,19 @@ class FileOps:
         self._opens: dict[int, int] = {}             # ino -> open handles
         self._writers: dict[int, set[int]] = {}      # ino -> write handles not yet closed
         self._wopen: dict[int, int] = {}             # ino -> write handles not yet released
+        self._wgen: dict[tuple[int, int], set[int]] = {}   # (ino, gen) -> those write handles
         self._sig: dict[int, tuple[int, int]] = {}   # ino -> (size, mtime) when last journaled
         self._dir_lock = threading.Lock()
 
     def _open_count(self, ino: int) -> int:
         return self._opens.get(ino, 0)
+
+    def handle_ino(self, fh: int) -> int | None:
+        h = self._handles.get(fh)
+        return h.ino if h is not None else None
+
+    def is_open(self, ino: int) -> bool:
+        return bool(self._opens.get(ino))
 
     def _write_fd(self, node: Inode) -> int | None:
         if self._wopen.get(node.ino):
@@ -64,6 +72,7 @@ class FileOps:
         if writable:
             self._writers.setdefault(node.ino, set()).add(h.fh)
             self._wopen[node.ino] = self._wopen.get(node.ino, 0) + 1
+            self._wgen.setdefault((node.ino, node.gen), set()).add(h.fh)
         return h.fh
 
     def _upath_fn(self, ino: int):
@@ -252,8 +261,7 @@ class FileOps:
         return n
 
     def _gen_writers(self, ino: int, gen: int) -> bool:
-        return bool(self._wopen.get(ino)) and any(
-            h.writable and h.ino == ino and h.gen == gen for h in self._handles.values())
+        return bool(self._wgen.get((ino, gen)))
 
     def _withdraw_put(self, e) -> bool:
         """Asked (under the lock) before a staged PUT commits.  A FLUSH journaled it while
@@ -268,8 +276,8 @@ class FileOps:
         s = os.fstat(fd)
         if (s.st_size, s.st_mtime_ns) == self._sig.get(e.ino):
             return False
-        for h in [h for h in self._handles.values()
-                  if h.writable and h.ino == e.ino and h.gen == e.gen and h.closed]:
+        for h in [self._handles[fh] for fh in sorted(self._wgen.get((e.ino, e.gen), ()))
+                  if self._handles[fh].closed]:
             self._written_after_close(h)
         return self.meta.entry(e.seq) is None
 
@@ -335,6 +343,10 @@ class FileOps:
             node = self.meta.get(h.ino)
             if h.writable:
                 self._writers.get(h.ino, set()).discard(fh)
+                wgen = self._wgen.get((h.ino, h.gen), set())
+                wgen.discard(fh)
+                if not wgen:
+                    self._wgen.pop((h.ino, h.gen), None)
                 self._wopen[h.ino] -= 1
                 if not self._wopen[h.ino]:
                     del self._wopen[h.ino]

@@ -387,8 +387,7 @@ class VFS(FileOps):
     def state(self, node: Inode) -> str:
         if node.dirty:
             return "dirty"
-        kinds = [e for e in self.meta.journal() if e.ino == node.ino and e.op in ("put", "mkdir")] \
-            if node.is_dir else self.meta.puts_of(node.ino)
+        kinds = self.meta.entries_of(node.ino, "put", "mkdir")
         kinds += self.meta.moves_of(node.ino)     # not under its current name until these land
         if any(e.seq in self.persister.failed for e in kinds):
             return "failed"

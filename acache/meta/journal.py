@@ -52,9 +52,12 @@ def journal_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> E
             txn.update_entry(e)
             return e
     replaces = False
-    for old in reversed(meta.journal()):
+    superseded = []
+    for old in meta.newest():
         if old.ino != node.ino or old.op != "put" or inflight.state(old.seq) != "":
             break    # anything journaled after an older PUT must not land before its content
+        superseded.append(old)
+    for old in superseded:
         replaces = replaces or old.replaces
         _cancel(txn, inflight, old)
     return txn.append(op="put", path=meta.path_of(node.ino), ino=node.ino, gen=node.gen,
@@ -110,23 +113,23 @@ def on_delete(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode, path: 
     appended, unless ``append`` is False and the caller takes care of it)."""
     committing = replaces = used = False
     if node.is_dir:   # pending entries of other things under one of its names need it there
-        names = [path] + [e.path for e in meta.journal() if e.ino == node.ino and e.op == "rename"]
+        # (a scan of the journal, but only for directories: rmtree's files cost O(1) each)
+        names = [path] + [e.path for e in meta.entries_of(node.ino, "rename")]
         used = any(p.startswith(n + "/") for e in meta.journal() if e.ino != node.ino
                    for p in (e.path, e.dst) if p for n in names)
-    for e in list(meta.journal()):
-        if e.ino == node.ino and e.op in ("put", "mkdir"):
-            if inflight.state(e.seq) == "committing":
-                committing = True
-            elif e.op == "mkdir" and used:
-                pass        # it lands, serves those entries, and goes (RMDIR below)
-            else:
-                replaces = replaces or e.replaces
-                _cancel(txn, inflight, e)
+    for e in meta.entries_of(node.ino, "put", "mkdir"):
+        if inflight.state(e.seq) == "committing":
+            committing = True
+        elif e.op == "mkdir" and used:
+            pass        # it lands, serves those entries, and goes (RMDIR below)
+        else:
+            replaces = replaces or e.replaces
+            _cancel(txn, inflight, e)
     # replaces: the object of a file this one replaced by rename is still there
     remote = node.upath is not None or committing or replaces or used
     if not remote:   # a directory renamed before anything of it landed: nothing to move
-        for e in list(meta.journal()):
-            if e.ino == node.ino and e.op == "rename" and inflight.state(e.seq) != "committing":
+        for e in meta.entries_of(node.ino, "rename"):
+            if inflight.state(e.seq) != "committing":
                 txn.remove_entry(e.seq)
     if remote and append:
         txn.append(op="rmdir" if node.is_dir else "delete", path=path, ino=node.ino)
@@ -142,10 +145,10 @@ def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
     entry landing at ``new`` is marked so that cancelling it deletes that object."""
     sub = _subtree(meta, node)
     inos = {n.ino for n in sub}
-    mine = [e for e in meta.journal() if e.ino in inos and e.op in ("put", "mkdir")]
+    mine = sorted((e for i in inos for e in meta.entries_of(i, "put", "mkdir")), key=lambda e: e.seq)
     remote = any(n.upath is not None for n in sub) \
         or any(inflight.state(e.seq) == "committing" for e in mine) \
-        or any(e.op == "rename" and e.ino in inos for e in meta.journal()) \
+        or any(meta.entries_of(i, "rename") for i in inos) \
         or (atomic_dirs and node.is_dir and bool(mine))
     if remote:
         txn.append(op="rename", path=old, dst=new, ino=node.ino, inos=sorted(inos))

@@ -15,6 +15,7 @@ Write-back states of a file (the durability rule of each):
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import stat as st
 import threading
@@ -99,6 +100,14 @@ class Entry:
         return any(p == prefix or p.startswith(prefix + "/") for p in (self.path, self.dst) if p)
 
 
+def _drop(index: dict[int, set[int]], key: int, seq: int) -> None:
+    seqs = index.get(key)
+    if seqs is not None:
+        seqs.discard(seq)
+        if not seqs:
+            del index[key]
+
+
 class Txn:
     """Changes collected under the store lock and written as one batch."""
 
@@ -137,10 +146,7 @@ class Txn:
         s._journal[e.seq] = e
         log.debug("journal +%d %s %s%s (ino %d gen %d)", e.seq, e.op, e.path,
                   f" -> {e.dst}" if e.dst else "", e.ino, e.gen)
-        if e.op == "put":
-            s._puts_of.setdefault(e.ino, set()).add(e.seq)
-        for ino in e.inos if e.op == "rename" else ():
-            s._moves_of.setdefault(ino, set()).add(e.seq)
+        s._index(e)
         self.puts[K.journal_key(e.seq)] = e.pack()
         self.puts[K.counter_key("next_seq")] = K.u64(s._next_seq)
         return e
@@ -151,18 +157,8 @@ class Txn:
     def remove_entry(self, seq: int) -> None:
         e = self.store._journal.pop(seq, None)
         log.debug("journal -%d", seq)
-        if e is not None and e.op == "put":
-            seqs = self.store._puts_of.get(e.ino)
-            if seqs is not None:
-                seqs.discard(seq)
-                if not seqs:
-                    del self.store._puts_of[e.ino]
-        for ino in e.inos if e is not None and e.op == "rename" else ():
-            seqs = self.store._moves_of.get(ino)
-            if seqs is not None:
-                seqs.discard(seq)
-                if not seqs:
-                    del self.store._moves_of[ino]
+        if e is not None:
+            self.store._unindex(e)
         self.puts.pop(K.journal_key(seq), None)
         self.deletes.append(K.journal_key(seq))
         if e is not None and e.token:   # a stage may have left something behind
@@ -199,8 +195,11 @@ class MetaStore:
         self._inodes: dict[int, Inode] = {}
         self._children: dict[int, dict[bytes, int]] = {}
         self._journal: dict[int, Entry] = {}
-        self._puts_of: dict[int, set[int]] = {}   # ino -> seqs of its pending PUTs
-        self._moves_of: dict[int, set[int]] = {}  # ino -> seqs of pending RENAMEs moving it
+        # indexes of the journal, so that no namespace call scans it (rmtree of N pending
+        # files would cost N x pending): ino -> seqs
+        self._of_ino: dict[int, set[int]] = {}    # entries about the inode itself (e.ino)
+        self._puts_of: dict[int, set[int]] = {}   # its pending PUTs
+        self._moves_of: dict[int, set[int]] = {}  # pending RENAMEs moving it (or a dir above)
         self.on_freed = lambda ino, gen: None      # a cache file the journal let go of
         raw = kv.get(K.counter_key("next_ino"))
         self._next_ino = K.from_u64(raw) if raw else ROOT_INO
@@ -215,10 +214,7 @@ class MetaStore:
         for _, v in kv.scan(K.JOURNAL_PREFIX):
             e = Entry.unpack(v)
             self._journal[e.seq] = e
-            if e.op == "put":
-                self._puts_of.setdefault(e.ino, set()).add(e.seq)
-            for ino in e.inos if e.op == "rename" else ():
-                self._moves_of.setdefault(ino, set()).add(e.seq)
+            self._index(e)
         if ROOT_INO not in self._inodes:
             now = time.time_ns()
             root = Inode(ROOT_INO, st.S_IFDIR | 0o755, nlink=2, atime_ns=now, mtime_ns=now,
@@ -226,6 +222,21 @@ class MetaStore:
             self._inodes[ROOT_INO] = root
             kv.write({K.inode_key(ROOT_INO): root.pack(),
                       K.counter_key("next_ino"): K.u64(ROOT_INO)}, sync=True)
+
+    # -- the journal's indexes ---------------------------------------------------
+    def _index(self, e: Entry) -> None:
+        self._of_ino.setdefault(e.ino, set()).add(e.seq)
+        if e.op == "put":
+            self._puts_of.setdefault(e.ino, set()).add(e.seq)
+        for ino in e.inos if e.op == "rename" else ():
+            self._moves_of.setdefault(ino, set()).add(e.seq)
+
+    def _unindex(self, e: Entry) -> None:
+        _drop(self._of_ino, e.ino, e.seq)
+        if e.op == "put":
+            _drop(self._puts_of, e.ino, e.seq)
+        for ino in e.inos if e.op == "rename" else ():
+            _drop(self._moves_of, ino, e.seq)
 
     # -- reads -------------------------------------------------------------------
     def txn(self) -> Txn:
@@ -253,7 +264,21 @@ class MetaStore:
         return "/".join(reversed(parts))
 
     def journal(self) -> list[Entry]:
+        """A copy of the whole journal, oldest first: O(pending), not for per-file paths."""
         return list(self._journal.values())     # appended in seq order, loaded in key order
+
+    def head(self, n: int) -> list[Entry]:
+        """The ``n`` oldest entries."""
+        return list(itertools.islice(self._journal.values(), n))
+
+    def newest(self) -> Iterator[Entry]:
+        """The entries newest first, lazily (do not change the journal while iterating)."""
+        return reversed(self._journal.values())
+
+    def entries_of(self, ino: int, *ops: str) -> list[Entry]:
+        """Pending entries about ``ino`` itself (``e.ino``), oldest first; only ``ops`` if given."""
+        es = [self._journal[s] for s in sorted(self._of_ino.get(ino, ()))]
+        return [e for e in es if e.op in ops] if ops else es
 
     def entry(self, seq: int) -> Entry | None:
         return self._journal.get(seq)

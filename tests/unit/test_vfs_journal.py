@@ -311,3 +311,26 @@ def test_reopen_of_big_pending_file_is_held_in_place_not_copied(tmp_path):
         assert r.files() == {"shard": b"A" * 1000 + b"B", "marker": b"m"}
     finally:
         r.stop()
+
+
+def test_per_file_calls_do_not_scan_the_journal(tmp_path, monkeypatch):
+    # rmtree/rename/close of one never-persisted file among many must cost O(1) journal
+    # work: they go through the per-inode indexes, never a copy of the whole journal
+    r = Rig(tmp_path, flush_delay=3600)
+    try:
+        d = r.mkdir(ROOT_INO, b"ck")
+        inos = [r.write(d, b"f%d" % i, b"x" * 10) for i in range(50)]
+        scans = []
+        real = r.meta.journal
+        monkeypatch.setattr(r.meta, "journal", lambda: scans.append(1) or real())
+        r.write(d, b"f0", b"again")                                   # close supersedes a PUT
+        r.vfs.rename(d, b"f1", d, b"g1", 0, CTX)                      # pending PUT moves
+        for i in range(2, 50):
+            r.vfs.unlink(d, b"f%d" % i, CTX)                          # pending PUT cancelled
+        assert r.vfs.getxattr(d, b"user.acache.state") == b"dirty"    # dir state
+        assert scans == []
+        # f0's first PUT stays (f1.. were journaled after it), its second follows
+        assert [e.path for e in real()] == ["ck", "ck/f0", "ck/f0", "ck/g1"]
+        assert len(r.meta.puts_of(inos[0])) == 2 and r.meta.puts_of(inos[1])[0].path == "ck/g1"
+    finally:
+        r.stop()
