@@ -52,8 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="parallel parts, for both (default: acache's s3:// default)")
     ap.add_argument("--multipart-threshold", default=None,
                     help="acache's s3:// multipart_threshold (default: its default)")
-    ap.add_argument("--content-md5", default="true", choices=["true", "false"],
-                    help="acache's s3:// content_md5 (default true: MD5 + ETag checks)")
+    ap.add_argument("--content-md5", default="auto", choices=["auto", "true", "false"],
+                    help="acache's s3:// content_md5 (default auto, as acache: over this "
+                         "http endpoint the signed SHA-256 only; true adds MD5 + ETag checks)")
     ap.add_argument("--upload-concurrency", type=int, default=None,
                     help="files in parallel, for both (default: acache's default)")
     ap.add_argument("--profile", action="store_true",

@@ -13,6 +13,7 @@ import pytest
 
 from acache.data.under import open_store
 from acache.data.under.file import NotFoundError, clean_path
+from acache.data.under.s3 import S3Store
 from acache.errors import ConfigError, PermanentError, TransientError, UnderStoreError
 
 MiB = 1 << 20
@@ -623,8 +624,10 @@ def test_s3_multipart_threshold(s3backend):
 @pytest.mark.parametrize("size", [1000, 6 * MiB])
 def test_s3_bytes_changed_in_flight_are_caught(s3backend, size):
     """moto does not check Content-MD5: bytes corrupted on the way are stored, and
-    the ETag check (part ETag, or PutObject ETag, == MD5 of what was read) catches it."""
-    store = s3backend.open(part_size=5 * MiB)
+    the ETag check (part ETag, or PutObject ETag, == MD5 of what was read) catches it.
+    (auto would leave MD5 off here: http with credentials, the signed SHA-256 is what a real
+    server checks; moto checks neither.)"""
+    store = s3backend.open(part_size=5 * MiB, content_md5="true")
     put, part = store.wire.put, store.wire.upload_part
 
     def flip(data: bytes) -> bytes:
@@ -647,6 +650,20 @@ def test_s3_small_file_is_read_again_at_commit(s3backend):
     with pytest.raises(TransientError):
         staged.commit()
     assert store.stat("f") is None
+
+
+@pytest.mark.parametrize("endpoint,creds,want", [
+    ("http://127.0.0.1:9", True, False),      # body SHA-256 signed, checked by the server
+    ("https://127.0.0.1:9", True, True),      # UNSIGNED-PAYLOAD: only an MD5 covers it
+    ("http://127.0.0.1:9", False, True),      # anonymous: nothing signed
+])
+def test_s3_content_md5_auto(endpoint, creds, want, monkeypatch):
+    for k in [k for k in os.environ if k.startswith(("ACACHE_S3_", "AWS_"))]:
+        monkeypatch.delenv(k)
+    kw = {"access_key": "a", "secret_key": "b"} if creds else {}
+    assert S3Store("s3://bkt/p", endpoint=endpoint, **kw).content_md5 is want
+    assert S3Store("s3://bkt/p", endpoint=endpoint, content_md5=" Auto", **kw).content_md5 is want
+    assert S3Store("s3://bkt/p", endpoint=endpoint, content_md5="true", **kw).content_md5 is True
 
 
 def test_s3_content_md5_off(s3backend):
@@ -727,7 +744,7 @@ def test_s3_https(tmp_path):
 
 
 def test_s3_part_etag_mismatch_is_permanent(s3backend, monkeypatch):
-    store = s3backend.open(part_size=5 * MiB)
+    store = s3backend.open(part_size=5 * MiB, content_md5="true")
     monkeypatch.setattr(store.wire, "upload_part", lambda *a: "0" * 32)
     token = store.new_token("f")
     with pytest.raises(PermanentError, match="ETag"):

@@ -17,10 +17,13 @@ the AWS variable shown; explicit keyword > ACACHE_S3_* > AWS_*):
     multipart_threshold   files at least this big (or than part_size) go up as
                    multipart uploads, even in one part (default 8 MiB): see Uploads
     concurrency    parallel part uploads / copies per store (default 8)
-    content_md5    default true: Content-MD5 on every upload and the ETags checked
-                   (see Uploads).  false skips both: over http that saves hashing
-                   ~1.4 s of CPU per GiB, integrity is left to the SHA-256 the SDK
-                   signs; over https the SDK sends its own Content-MD5 anyway
+    content_md5    auto | true | false (default auto): Content-MD5 on every upload and
+                   the ETags checked (see Uploads).  auto = on where the body is not
+                   otherwise verified: https (the SDK signs UNSIGNED-PAYLOAD and would
+                   hash an MD5 itself, so ours costs nothing extra) and anonymous
+                   requests; off over http with credentials, where the SDK signs the
+                   body's SHA-256 and the server checks it (S3, MinIO, Ceph: not moto),
+                   which saves hashing ~1.4 s of CPU per GiB.  false: never
     verify_tls     default true; SSL_CERT_FILE names a CA bundle
     connect_timeout, read_timeout   seconds (default 5 and 60)
 
@@ -176,7 +179,7 @@ _AWS_ENV = {
 _DEFAULTS = {
     "endpoint": "https://s3.amazonaws.com", "region": None, "addressing": "auto",
     "part_size": 16 * MiB, "multipart_threshold": 8 * MiB, "concurrency": 8,
-    "content_md5": True, "verify_tls": True,
+    "content_md5": "auto", "verify_tls": True,
     "connect_timeout": 5.0, "read_timeout": 60.0,
 }
 _CREDS = ("access_key", "secret_key", "session_token")
@@ -212,7 +215,8 @@ def resolve_options(kwargs: dict, env=None) -> dict:
         raise ConfigError(f"bad s3:// option value: {e}") from e
     for k in ("verify_tls", "content_md5"):
         if isinstance(out[k], str):
-            out[k] = out[k].strip().lower() not in ("0", "false", "no", "off")
+            v = out[k].strip().lower()
+            out[k] = "auto" if k == "content_md5" and v == "auto" else v not in ("0", "false", "no", "off")
     if not MIN_PART <= out["part_size"] <= MAX_PART_SIZE:
         raise ConfigError(f"s3:// part_size must be 5 MiB..5 GiB, got {out['part_size']}")
     if out["multipart_threshold"] > MAX_PART_SIZE:
@@ -298,10 +302,12 @@ class S3Store:
         o = resolve_options(options)
         self.part_size, self.concurrency = o["part_size"], o["concurrency"]
         self.multipart_threshold = max(1, min(o["multipart_threshold"], self.part_size))
-        self.content_md5 = o["content_md5"]
         ep = urlsplit(o["endpoint"] if "://" in o["endpoint"] else "https://" + o["endpoint"])
         if ep.scheme not in ("http", "https") or not ep.netloc or ep.path not in ("", "/"):
             raise ConfigError(f"bad s3:// endpoint {o['endpoint']!r}: expected http(s)://host:port")
+        self.content_md5 = o["content_md5"]
+        if self.content_md5 == "auto":   # off only where the server checks a signed SHA-256
+            self.content_md5 = ep.scheme == "https" or not o["access_key"]
         self.endpoint = f"{ep.scheme}://{ep.netloc}"
         self._http = http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=o["connect_timeout"], read=o["read_timeout"]),
