@@ -5,6 +5,7 @@
     ufs         = file://<home>/ufs                       (the under-storage)
     cache_size  = "auto" (half of the cache filesystem) or bytes / "20GiB"
     engine      = auto | native | pyfuse3
+    passthrough = true: the native engine uses kernel passthrough where it can (false: never)
     flush_delay = 1.0 s before a closed file starts persisting
     stall_timeout = 300 s a writer waits for dirty space before ENOSPC
     chunk_size  = 8 MiB read-through fetch unit
@@ -59,6 +60,7 @@ class Settings:
     ufs: str | None = None
     cache_size: int | None = None          # None = auto
     engine: str = "auto"
+    passthrough: bool = True
     flush_delay: float = 1.0
     stall_timeout: float = 300.0
     chunk_size: int = 8 << 20
@@ -101,9 +103,21 @@ class Settings:
         return d
 
 
+def parse_bool(value: object, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    v = str(value).strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{what}: expected true or false, not {value!r}")
+
+
 _CASTS = {
     "home": Path, "cache_dir": Path, "ufs": str, "engine": str, "log_level": str,
     "cache_size": lambda v: None if str(v) == "auto" else parse_size(v, "cache_size"),
+    "passthrough": lambda v: parse_bool(v, "passthrough"),
     "flush_delay": float, "stall_timeout": float, "upload_concurrency": int,
     "chunk_size": lambda v: parse_size(v, "chunk_size"),
 }

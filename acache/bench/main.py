@@ -20,7 +20,8 @@ from acache.bench import report
 from acache.bench.procs import Owned, fuse_mounts
 
 ALL_CASES = (1, 2, 3, 4, 5)
-ENGINES = ("pyfuse3", "native")
+ENGINES = ("pyfuse3", "native", "native-nopt")   # native-nopt: native, passthrough = false
+DEFAULT_ENGINES = ("pyfuse3", "native")
 
 
 def _cases(text: str) -> list[int]:
@@ -61,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="state dict / persisted bytes, and fio bytes unless --fio-size (default 2GiB)")
     ap.add_argument("--fio-size", type=_size, default=None, help="bytes per fio run (all jobs together)")
     ap.add_argument("--repeat", type=int, default=3, help="reps per case; the table shows medians")
-    ap.add_argument("--engines", type=_engines, default=list(ENGINES), help="pyfuse3,native (default both)")
+    ap.add_argument("--engines", type=_engines, default=list(DEFAULT_ENGINES),
+                    help="pyfuse3,native (default) and/or native-nopt (native, passthrough off)")
     ap.add_argument("--json", type=Path, default=None,
                     help="where to write the results (default bench-results/bench-<time>.json)")
     ap.add_argument("--workdir", type=Path, default=None,

@@ -25,6 +25,7 @@ LABELS = {
     "raw": "raw disk (cache fs)", "dir": "directory (file:// under-storage)",
     "s3": "S3 direct (minio SDK)", "rclone": "rclone mount (vfs-cache writes)",
     "upload": "minio upload (same server)", "cp": "cp + fsync to the directory",
+    "acache-native-nopt": "acache native, no passthrough",
 }
 
 

@@ -99,10 +99,16 @@ class S3Server:
 
 
 # -- an acache node + mount ------------------------------------------------------------------
+# engine labels of the harness that are an engine plus settings
+ENGINE_VARIANTS = {"native-nopt": ("native", {"ACACHE_PASSTHROUGH": "false"})}
+
+
 class AcacheTarget:
     """`acache up --foreground` as our child, then `acache mount` through the CLI."""
 
     def __init__(self, root: Path, engine: str, ufs: str, env: dict[str, str] | None = None) -> None:
+        engine, variant_env = ENGINE_VARIANTS.get(engine, (engine, {}))
+        env = {**(env or {}), **variant_env}
         self.root, self.engine, self.ufs = root, engine, ufs
         # the home holds the control socket, whose path must fit in 107 bytes: keep it short,
         # and the cache (on the benchmarked filesystem) under root

@@ -128,7 +128,20 @@ class Ops(pyfuse3.Operations):
         await self._call(self.vfs.flush, fh)
 
     async def release(self, fh):
+        ino = self.vfs.handle_ino(fh)
         await self._call(self.vfs.release, fh)
+        if ino is not None and not self.vfs.is_open(ino):
+            # Opens do not keep the kernel's page cache (no FOPEN_KEEP_CACHE), so the
+            # copy of this file's pages under the mount is dead weight next to the cache
+            # file's own: drop it now rather than hold every checkpoint twice in memory.
+            trio.lowlevel.spawn_system_task(self._drop_pages, ino)
+
+    async def _drop_pages(self, ino: int) -> None:
+        try:    # in a thread: the kernel may wait on page locks of requests we serve
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False, limiter=self.limiter)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENOSYS):
+                log.warning("dropping the kernel's cached pages of inode %d: %s", ino, e)
 
     async def fsync(self, fh, datasync):
         await self._call(self.vfs.fsync, fh, bool(datasync))

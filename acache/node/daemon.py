@@ -82,7 +82,10 @@ class Node:
                 if want == "native":
                     raise ConfigError(f"the native engine is not available: {e}") from None
                 return "pyfuse3", f"native engine unavailable ({e})", None
-            ok, why = probe_passthrough(str(self.cache.dir))
+            if self.settings.passthrough:
+                ok, why = probe_passthrough(str(self.cache.dir))
+            else:
+                ok, why = False, "passthrough = false in the settings"
             if ok or want == "native":
                 depth = required_stack_depth(str(self.cache.dir))
                 return "native", why, lambda mp: NativeEngine(self.vfs, mp, passthrough=ok,

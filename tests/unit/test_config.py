@@ -29,6 +29,7 @@ def test_precedence_file_env_flags(tmp_path, monkeypatch):
     ("[s3]\nendpoint = 'x'\nnope = 1\n", "line 3"),
     ('engine = "turbo"\n', "line 1"),
     ('cache_size = "lots"\n', "line 1"),
+    ('flush_delay = 1\npassthrough = "sometimes"\n', "line 2"),
 ])
 def test_malformed_config_names_file_and_line(tmp_path, text, where):
     cfg = tmp_path / "bad.toml"
@@ -67,3 +68,16 @@ def test_s3_env_over_file_credentials_together(tmp_path, monkeypatch):
     monkeypatch.setenv("ACACHE_S3_SECRET_KEY", "es")
     assert config.load(cfg).s3 == {"endpoint": "http://env:2", "region": "eu", "access_key": "ea",
                                    "secret_key": "es"}
+
+
+def test_passthrough_switch(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACACHE_HOME", str(tmp_path))
+    assert config.load().passthrough is True
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("passthrough = false\n")
+    assert config.load(cfg).passthrough is False
+    monkeypatch.setenv("ACACHE_PASSTHROUGH", "on")
+    assert config.load(cfg).passthrough is True
+    monkeypatch.setenv("ACACHE_PASSTHROUGH", "maybe")
+    with pytest.raises(ConfigError, match="ACACHE_PASSTHROUGH.*true or false"):
+        config.load(cfg)

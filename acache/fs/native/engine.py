@@ -77,6 +77,7 @@ class NativeEngine:
             self._ops = Ops(self.vfs, table, entry_timeout=self.entry_timeout,
                             attr_timeout=self.attr_timeout)
             session.handlers = self._ops.handlers
+            self._ops.drop_pages = session.drop_pages
             self._session = session
             session.start(name=f"acache-fuse{self._conn[1] if self._conn else ''}")
         except BaseException:

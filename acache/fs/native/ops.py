@@ -45,6 +45,7 @@ class Ops:
         self.attr_timeout = attr_timeout
         self._fsyncdir = getattr(vfs, "fsyncdir", None)     # optional VFS capabilities
         self._mknod = getattr(vfs, "mknod", None)
+        self.drop_pages = None      # set by the engine: the kernel's pages of an inode dropped
         self._dirs: dict[int, tuple[int, list]] = {}        # fh -> (next vfs offset, rest)
         self._dirs_lock = threading.Lock()
         self._open_dirs: set[int] = set()
@@ -287,10 +288,17 @@ class Ops:
 
     def release(self, req: Request):
         fh = proto.RELEASE_IN.unpack_from(req.body)[0]
+        served = not self.table.is_passthrough(fh)
+        ino = self.vfs.handle_ino(fh) if hasattr(self.vfs, "handle_ino") else None
         try:
             self.vfs.release(fh)
         finally:
             self.table.release(fh)
+        if served and ino is not None and self.drop_pages is not None \
+                and not self.vfs.is_open(ino):
+            # opens never keep the kernel's page cache (no KEEP_CACHE): the pages the
+            # daemon served are dead weight next to the cache file's own; drop them now
+            self.drop_pages(ino)
         return b""
 
     def fsync(self, req: Request):

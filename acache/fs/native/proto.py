@@ -71,6 +71,8 @@ DEV_IOC_BACKING_CLOSE = _iow(2, 4)                  # 0x4004e502
 # --- layouts -------------------------------------------------------------------------------
 IN_HEADER = struct.Struct("<IIQQIIIHH")   # len opcode unique nodeid uid gid pid extlen pad
 OUT_HEADER = struct.Struct("<IiQ")        # len error unique
+NOTIFY_INVAL_INODE = 2                     # a notification: OUT_HEADER with unique 0, this as error
+NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")   # ino off len (off 0, len 0: all its pages)
 ATTR = struct.Struct("<QQQqqqIIIIIIIIII")  # fuse_attr, 88 bytes
 ENTRY_OUT_HEAD = struct.Struct("<QQQQII")  # nodeid generation entry_valid attr_valid nsec nsec
 ATTR_OUT_HEAD = struct.Struct("<QII")      # attr_valid attr_valid_nsec dummy

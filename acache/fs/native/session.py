@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import select
 import threading
 from typing import Callable
@@ -88,6 +89,8 @@ class Session:
         self._inflight: dict[int, _InFlight] = {}
         self._lock = threading.Lock()
         self._counts: list[list[int]] = []
+        self._notices: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._notifier: threading.Thread | None = None
 
     # --- handshake -------------------------------------------------------------------------
 
@@ -119,6 +122,34 @@ class Session:
                                  daemon=True)
             self._threads.append(t)
             t.start()
+
+    def drop_pages(self, ino: int) -> None:
+        """Ask the kernel to drop its cached pages (and attributes) of ``ino``.  Sent from
+        a thread of its own: the kernel waits for the page locks of requests in flight,
+        which the reader threads must stay free to answer."""
+        if self._notifier is None:
+            with self._lock:
+                if self._notifier is None:
+                    self._notifier = threading.Thread(target=self._notify_loop,
+                                                      name="acache-fuse-notify", daemon=True)
+                    self._notifier.start()
+        self._notices.put(ino)
+
+    def _notify_loop(self) -> None:
+        body = proto.NOTIFY_INVAL_INODE_OUT
+        while not self.ended.is_set():
+            try:
+                ino = self._notices.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            try:
+                os.writev(self.devfd, [proto.out_header(0, proto.NOTIFY_INVAL_INODE, body.size),
+                                       body.pack(ino, 0, 0)])
+            except OSError as e:   # ENOENT: the kernel has forgotten the inode already
+                if e.errno in (errno.ENODEV, errno.ECONNABORTED, errno.EBADF):
+                    return
+                if e.errno != errno.ENOENT:
+                    log.warning("dropping the kernel's cached pages of inode %d: %s", ino, e)
 
     def join(self, timeout: float | None = None) -> bool:
         for t in self._threads:
