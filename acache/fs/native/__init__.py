@@ -29,6 +29,7 @@ Kernel facts this engine is built around (seen on 6.18, protocol 7.45):
 """
 from acache.fs.native.engine import NativeEngine
 from acache.fs.native.mount import clean_stale_mount
-from acache.fs.native.passthrough import probe_passthrough, required_stack_depth
+from acache.fs.native.passthrough import can_mount_natively, probe_passthrough, required_stack_depth
 
-__all__ = ["NativeEngine", "probe_passthrough", "required_stack_depth", "clean_stale_mount"]
+__all__ = ["NativeEngine", "can_mount_natively", "probe_passthrough", "required_stack_depth",
+           "clean_stale_mount"]

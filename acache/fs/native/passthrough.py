@@ -219,6 +219,15 @@ def _kernel_version() -> tuple[int, int]:
         return (0, 0)
 
 
+def can_mount_natively() -> tuple[bool, str]:
+    """Can this process mount FUSE itself (mount(2) on /dev/fuse, no fusermount3)?"""
+    if not _has_cap_sys_admin():
+        return False, "mounting FUSE without fusermount3 needs CAP_SYS_ADMIN"
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return False, "/dev/fuse is not accessible"
+    return True, ""
+
+
 def _has_cap_sys_admin() -> bool:
     try:
         with open("/proc/self/status") as f:
