@@ -310,11 +310,16 @@ class Bench:
         return {"mib_s": nbytes / MiB / seconds, "seconds": seconds}
 
     def _upload(self, s3: S3Server, src: Path) -> dict:
+        # the same page-cache state as acache's: a file written just now (a save to local
+        # disk, then its upload), whose dirty pages the kernel writes back meanwhile
+        fresh = self.raw / "persist-fresh.bin"
+        shutil.copyfile(src, fresh)
         c = s3.client()
         t0 = time.perf_counter()
-        c.fput_object(s3.bucket, "upload/persist.bin", str(src), part_size=PART,
+        c.fput_object(s3.bucket, "upload/persist.bin", str(fresh), part_size=PART,
                       num_parallel_uploads=PARALLEL)
         dt = time.perf_counter() - t0
+        fresh.unlink()
         s3.empty("upload/")
         return self._rate(src.stat().st_size, dt)
 
