@@ -92,7 +92,8 @@ class Node:
             # serves from a thread pool): pyfuse3 is for when we cannot mount ourselves.
             native, why_not = can_mount_natively()
             if ok or want == "native" or native:
-                depth = required_stack_depth(str(self.cache.dir))
+                # the stacking depth matters only for passthrough (the probe computed it)
+                depth = required_stack_depth(str(self.cache.dir)) if ok else 1
                 if not ok:
                     why = f"no passthrough ({why}); the native engine serves the data itself"
                 return "native", why, lambda mp: NativeEngine(self.vfs, mp, passthrough=ok,
