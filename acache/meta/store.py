@@ -198,7 +198,6 @@ class MetaStore:
         # indexes of the journal, so that no namespace call scans it (rmtree of N pending
         # files would cost N x pending): ino -> seqs
         self._of_ino: dict[int, set[int]] = {}    # entries about the inode itself (e.ino)
-        self._puts_of: dict[int, set[int]] = {}   # its pending PUTs
         self._moves_of: dict[int, set[int]] = {}  # pending RENAMEs moving it (or a dir above)
         self.on_freed = lambda ino, gen: None      # a cache file the journal let go of
         raw = kv.get(K.counter_key("next_ino"))
@@ -226,15 +225,11 @@ class MetaStore:
     # -- the journal's indexes ---------------------------------------------------
     def _index(self, e: Entry) -> None:
         self._of_ino.setdefault(e.ino, set()).add(e.seq)
-        if e.op == "put":
-            self._puts_of.setdefault(e.ino, set()).add(e.seq)
         for ino in e.inos if e.op == "rename" else ():
             self._moves_of.setdefault(ino, set()).add(e.seq)
 
     def _unindex(self, e: Entry) -> None:
         _drop(self._of_ino, e.ino, e.seq)
-        if e.op == "put":
-            _drop(self._puts_of, e.ino, e.seq)
         for ino in e.inos if e.op == "rename" else ():
             _drop(self._moves_of, ino, e.seq)
 
@@ -288,7 +283,7 @@ class MetaStore:
         return [k[1:].decode("utf-8", "surrogateescape") for k, _ in self.kv.scan(K.STAGE_PREFIX)]
 
     def puts_of(self, ino: int) -> list[Entry]:
-        return [self._journal[s] for s in sorted(self._puts_of.get(ino, ()))]
+        return self.entries_of(ino, "put")
 
     def moves_of(self, ino: int) -> list[Entry]:
         """Pending RENAMEs that move this inode (itself or a directory above it) in the
@@ -296,7 +291,7 @@ class MetaStore:
         return [self._journal[s] for s in sorted(self._moves_of.get(ino, ()))]
 
     def gen_pending(self, ino: int, gen: int) -> bool:
-        return any(self._journal[s].gen == gen for s in self._puts_of.get(ino, ()))
+        return any(e.gen == gen for e in self.puts_of(ino))
 
     def newest_seq(self) -> int:
         """The seq of the newest entry still in the journal (0 if empty)."""
