@@ -203,13 +203,16 @@ class FileOps:
         finally:
             self.cache.release(node.ino, gen)
 
+    def _local_fd(self, h: Handle) -> int | None:
+        """The handle's cache fd if its data is complete in the cache, else None."""
+        node = self.meta.get(h.ino)
+        if node is None or (h.gen == node.gen and not node.cached):
+            return None
+        return h.fd
+
     def passthrough_fd(self, fh: int) -> int | None:
         with self.lock:
-            h = self._handle(fh)
-            node = self.meta.get(h.ino)
-            if node is None or (h.gen == node.gen and not node.cached):
-                return None
-            return h.fd
+            return self._local_fd(self._handle(fh))
 
     # -- data ------------------------------------------------------------------------------
     def read(self, fh: int, offset: int, size: int) -> bytes:
@@ -233,12 +236,8 @@ class FileOps:
         """read() for an engine's event loop: a pread of data complete in the cache;
         None when the caller must use read() (from a worker thread) instead."""
         h = self._handles.get(fh)
-        if h is None:
-            return None
-        node = self.meta.get(h.ino)
-        if node is None or (h.gen == node.gen and not node.cached):
-            return None
-        return os.pread(h.fd, size, offset)
+        fd = self._local_fd(h) if h is not None else None
+        return os.pread(fd, size, offset) if fd is not None else None
 
     def write(self, fh: int, offset: int, data) -> int:
         h = self._handle(fh)

@@ -45,6 +45,7 @@ class Ops:
         self.attr_timeout = attr_timeout
         self._fsyncdir = getattr(vfs, "fsyncdir", None)     # optional VFS capabilities
         self._mknod = getattr(vfs, "mknod", None)
+        self._handle_ino = getattr(vfs, "handle_ino", None)
         self.drop_pages = None      # set by the engine: the kernel's pages of an inode dropped
         self._dirs: dict[int, tuple[int, list]] = {}        # fh -> (next vfs offset, rest)
         self._dirs_lock = threading.Lock()
@@ -289,7 +290,7 @@ class Ops:
     def release(self, req: Request):
         fh = proto.RELEASE_IN.unpack_from(req.body)[0]
         served = not self.table.is_passthrough(fh)
-        ino = self.vfs.handle_ino(fh) if hasattr(self.vfs, "handle_ino") else None
+        ino = self._handle_ino(fh) if self._handle_ino is not None else None
         try:
             self.vfs.release(fh)
         finally:
