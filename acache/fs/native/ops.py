@@ -26,6 +26,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
+# SETATTR valid bits that change no attribute: the handle, the lock owner, ctime
+_SETATTR_NOTHING = proto.FATTR_FH | proto.FATTR_LOCKOWNER | proto.FATTR_CTIME
+
+
 def _name(body: memoryview) -> bytes:
     data = bytes(body)
     end = data.find(b"\0")
@@ -100,6 +104,8 @@ class Ops:
         write): the kernel leaves dropping setuid/setgid on write, truncate and chown to
         us (it flags only callers without CAP_FSETID)."""
         a = self.vfs.getattr(ino, fh)
+        if stat.S_ISDIR(a.mode):
+            return
         kill = stat.S_ISUID | (stat.S_ISGID if a.mode & stat.S_IXGRP else 0)
         if a.mode & kill:
             self.vfs.setattr(ino, req.ctx(), fh=fh, mode=a.mode & ~kill)
@@ -187,7 +193,9 @@ class Ops:
         kw = {}
         if valid & proto.FATTR_MODE:
             kw["mode"] = mode
-        elif valid & proto.FATTR_KILL_SUIDGID:
+        elif valid & proto.FATTR_KILL_SUIDGID or not valid & ~_SETATTR_NOTHING:
+            # A SETATTR that changes nothing is how the kernel passes on a chown(f, -1,
+            # -1) or an unprivileged write's privilege drop under HANDLE_KILLPRIV_V2.
             self._kill_suidgid(req.nodeid, req, fh if valid & proto.FATTR_FH else None)
         if valid & proto.FATTR_UID:
             kw["uid"] = uid
@@ -370,46 +378,50 @@ class Ops:
                 self._dirs[fh] = (entries[used - 1][2], entries[used:])
 
     def readdir(self, req: Request):
+        """Whole entries that fit in the size the kernel asked for, as one buffer (one
+        iovec per entry would exceed IOV_MAX on a big directory)."""
         fh, size, dots, entries = self._listing(req)
-        out, total = [], 0
+        out = bytearray()
         for name, _a, ino, mode, cookie in dots:
             rec = proto.pack_dirent(ino, cookie, name, mode)
-            out.append(rec)
-            total += len(rec)
+            if len(out) + len(rec) > size:
+                return bytes(out)
+            out += rec
         used = 0
         for name, a, next_off in entries:
             rec = proto.pack_dirent(a.ino, next_off + 2, name, a.mode)
-            if total + len(rec) > size:
+            if len(out) + len(rec) > size:
                 break
-            out.append(rec)
-            total += len(rec)
+            out += rec
             used += 1
         self._remember(fh, entries, used)
-        return out
+        return bytes(out)
 
     def readdirplus(self, req: Request):
+        """Like readdir; every entry sent hands the kernel one lookup reference (taken
+        back if the reply is not delivered)."""
         fh, size, dots, entries = self._listing(req)
-        out, total = [], 0
+        out = bytearray()
         for name, _a, ino, mode, cookie in dots:
-            rec = (proto.pack_entry(None, 0, 0) + proto.pack_dirent(ino, cookie, name, mode))
-            out.append(rec)
-            total += len(rec)
+            rec = proto.pack_entry(None, 0, 0) + proto.pack_dirent(ino, cookie, name, mode)
+            if len(out) + len(rec) > size:
+                return bytes(out)
+            out += rec
         given: list[tuple[int, int]] = []
         try:
             for name, a, next_off in entries:
                 rec = self._entry(a) + proto.pack_dirent(a.ino, next_off + 2, name, a.mode)
-                if total + len(rec) > size:
+                if len(out) + len(rec) > size:
                     break
                 self.vfs.incref(a.ino)          # the kernel takes a lookup reference
                 given.append((a.ino, 1))
-                out.append(rec)
-                total += len(rec)
+                out += rec
         except BaseException:
             if given:
                 self.vfs.forget(given)
             raise
         self._remember(fh, entries, len(given))
-        return Reply(out, (lambda: self.vfs.forget(given)) if given else None)
+        return Reply(bytes(out), (lambda: self.vfs.forget(given)) if given else None)
 
     def destroy(self, req: Request):
         return b""

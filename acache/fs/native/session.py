@@ -30,8 +30,11 @@ log = logging.getLogger("acache.fs.native")
 
 NO_REPLY = object()
 
-# Requests without side effects (or whose side effect a failed reply undoes): an
-# INTERRUPT for one of them is answered at once with EINTR and the late reply dropped.
+# Requests without side effects (or whose side effect a failed reply undoes): when the
+# process that asked is being killed, an INTERRUPT for one of them is answered at once
+# with EINTR and the late reply dropped (undone), so that the process can die without
+# waiting for, say, a listing of the under-storage.  Nobody else ever gets EINTR: stat,
+# open or read on a local disk cannot fail that way, and programs do not retry them.
 ABORTABLE = frozenset({proto.LOOKUP, proto.GETATTR, proto.READ, proto.READDIR,
                        proto.READDIRPLUS, proto.GETXATTR, proto.LISTXATTR, proto.STATFS,
                        proto.ACCESS})
@@ -40,6 +43,7 @@ ABORTABLE = frozenset({proto.LOOKUP, proto.GETATTR, proto.READ, proto.READDIR,
 # OS errors of the cache disk that the writer should see as they are (anything else
 # unexpected is a bug: logged with its traceback and answered EIO).
 PASS_OS_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO})
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 class Reply:
@@ -68,11 +72,38 @@ class Request:
         return Ctx(self.uid, self.gid, self.pid, umask)
 
 
-class _InFlight:
-    __slots__ = ("answered",)
+# Requests the kernel expects no reply to (they are never the target of an INTERRUPT).
+UNANSWERED = frozenset({proto.FORGET, proto.BATCH_FORGET, proto.INTERRUPT})
+SIGKILL_BIT = 1 << 8                       # bit (SIGKILL - 1) of /proc/<pid>/status SigPnd
 
-    def __init__(self):
+
+class _InFlight:
+    __slots__ = ("answered", "pid", "abortable")
+
+    def __init__(self, pid: int, abortable: bool):
         self.answered = False
+        self.pid = pid
+        self.abortable = abortable
+
+
+def being_killed(pid: int) -> bool:
+    """Is thread ``pid`` being killed (SIGKILL pending: a kill -9, or any fatal signal,
+    which the kernel turns into SIGKILL for every thread of the dying process)?"""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith((b"SigPnd:", b"ShdPnd:")):
+            try:
+                if int(line.split()[1], 16) & SIGKILL_BIT:
+                    return True
+            except (IndexError, ValueError):
+                return False
+    return False
 
 
 class Session:
@@ -87,6 +118,7 @@ class Session:
         self.ended = threading.Event()
         self._threads: list[threading.Thread] = []
         self._inflight: dict[int, _InFlight] = {}
+        self._early: dict[int, int] = {}    # target -> INTERRUPT unique, target not seen yet
         self._lock = threading.Lock()
         self._counts: list[list[int]] = []
         self._notices: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -199,26 +231,33 @@ class Session:
     def _dispatch(self, req: Request) -> None:
         op = req.opcode
         if op == proto.INTERRUPT:
-            self._interrupt(proto.INTERRUPT_IN.unpack_from(req.body)[0])
+            self._interrupt(req.unique, proto.INTERRUPT_IN.unpack_from(req.body)[0])
             return
         handler = self.handlers.get(op)
         if handler is None:
             self._send(req, -errno.ENOSYS, ())
             return
-        tracked = op in ABORTABLE
+        tracked = op not in UNANSWERED
         if tracked:
-            with self._lock:
-                self._inflight[req.unique] = _InFlight()
+            self._inflight[req.unique] = _InFlight(req.pid, op in ABORTABLE)   # atomic
+            if self._early:
+                self._settle_early()
         try:
             try:
                 res = handler(req)
-            except FsError as e:
+            except FsError as e:                  # an answer, not a failure of ours
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("FUSE %s (node %d): %s", proto.OPCODE_NAMES.get(op, op),
+                              req.nodeid, errno.errorcode.get(e.errno, e.errno))
                 self._send(req, -(e.errno or errno.EIO), ())
                 return
             except OSError as e:
                 if e.errno in PASS_OS_ERRORS:       # the cache disk is full, read-only...
-                    log.error("FUSE %s (node %d): %s", proto.OPCODE_NAMES.get(op, op),
-                              req.nodeid, e)
+                    # EFBIG (a truncate or write past the cache disk's maximum file
+                    # size) is the caller's doing; the others are the operator's concern
+                    log.log(logging.DEBUG if e.errno == errno.EFBIG else logging.WARNING,
+                            "FUSE %s (node %d): %s", proto.OPCODE_NAMES.get(op, op),
+                            req.nodeid, e)
                     self._send(req, -e.errno, ())
                     return
                 log.exception("FUSE %s (node %d) failed", proto.OPCODE_NAMES.get(op, op),
@@ -244,16 +283,40 @@ class Session:
                                   proto.OPCODE_NAMES.get(op, op))
         finally:
             if tracked:
-                with self._lock:
-                    self._inflight.pop(req.unique, None)
+                self._inflight.pop(req.unique, None)     # one dict operation: atomic
 
-    def _interrupt(self, target: int) -> None:
-        """The kernel gave up waiting for ``target``.  Side-effect-free requests get EINTR
-        now (their late reply is dropped); others simply complete.  An INTERRUPT that
-        races ahead of its request is ignored: the request then completes normally."""
+    def _interrupt(self, unique: int, target: int) -> None:
+        """A signal reached the process waiting for ``target`` (see the kernel's
+        Documentation/filesystems/fuse.rst, "Interrupting filesystem operations").  The
+        request is answered normally unless its work is abandoned (``_abandon``).  An
+        INTERRUPT whose request we have not seen yet (another reader thread holds it, not
+        yet registered; or it was answered already) is kept until the next request
+        arrives, then answered EAGAIN if still unmatched: the kernel queues it again
+        (or, for an answered request, ignores the reply)."""
         with self._lock:
             st = self._inflight.get(target)
-            if st is None or st.answered:
+            if st is None:
+                self._early[target] = unique
+                return
+        self._abandon(target, st)
+
+    def _settle_early(self) -> None:
+        with self._lock:
+            early, self._early = self._early, {}
+        for target, unique in early.items():
+            st = self._inflight.get(target)
+            if st is not None:
+                self._abandon(target, st)
+            else:
+                self._write(unique, [proto.out_header(unique, -errno.EAGAIN, 0)])
+
+    def _abandon(self, target: int, st: _InFlight) -> None:
+        """Answer ``target`` EINTR now if its process is being killed and the request
+        can be abandoned (no side effect, or one its undo takes back)."""
+        if not st.abortable or st.answered or not being_killed(st.pid):
+            return
+        with self._lock:
+            if st.answered:
                 return
             st.answered = True
         self._write(target, [proto.out_header(target, -errno.EINTR, 0)])
@@ -270,6 +333,10 @@ class Session:
         return self._write(req.unique, [proto.out_header(req.unique, error, size), *parts])
 
     def _write(self, unique: int, parts: list) -> bool:
+        """Write one reply.  A reply the kernel refuses (too many buffers, too large...)
+        is answered with EIO instead, so that the caller never waits for ever."""
+        if len(parts) > IOV_MAX:                  # writev takes at most IOV_MAX buffers
+            parts = [b"".join(parts)]
         try:
             os.writev(self.devfd, parts)
             return True
@@ -279,5 +346,16 @@ class Session:
             if e.errno in (errno.ENODEV, errno.ECONNABORTED):
                 self.ended.set()
                 return False
-            log.error("writing the reply to request %d: %s", unique, e)
-            return False
+            if parts and len(parts[0]) >= proto.OUT_HEADER.size \
+                    and proto.OUT_HEADER.unpack_from(parts[0])[1] != 0:
+                log.error("writing the error reply to request %d: %s", unique, e)
+                return False
+            log.error("writing the reply to request %d: %s; answering it EIO", unique, e)
+        try:
+            os.writev(self.devfd, [proto.out_header(unique, -errno.EIO, 0)])
+        except OSError as e:
+            if e.errno in (errno.ENODEV, errno.ECONNABORTED):
+                self.ended.set()
+            elif e.errno != errno.ENOENT:
+                log.error("answering request %d EIO: %s", unique, e)
+        return False
