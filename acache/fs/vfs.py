@@ -111,6 +111,8 @@ class VFS(FileOps):
             txn.commit()
 
     def _child(self, parent: int, name: bytes) -> Inode | None:
+        if len(name) > NAME_MAX:     # no such name can exist: lookup, unlink, rename...
+            raise FsError(errno.ENAMETOOLONG)
         p = self._dir(parent)
         self._ensure_listed(p)
         ino = self.meta.child(parent, name)
