@@ -18,6 +18,7 @@ from acache.errors import FsError
 from acache.fs.types import STATE_XATTR, Attr, Ctx
 
 log = logging.getLogger("acache.fs.pyfuse3")
+_DISK_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
 
 
 def _entry(a: Attr, timeout: float = 1.0) -> pyfuse3.EntryAttributes:
@@ -56,13 +57,21 @@ class Ops(pyfuse3.Operations):
     async def _call(self, fn, *args, **kw):
         try:
             return await trio.to_thread.run_sync(lambda: fn(*args, **kw), limiter=self.limiter)
-        except FsError as e:
+        except FsError as e:                  # an answer, not a failure of ours
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s (%s): %s", getattr(fn, "__name__", fn), args[0] if args else "",
+                          errno.errorcode.get(e.errno, e.errno))
             raise pyfuse3.FUSEError(e.errno) from None
         except OSError as e:
-            log.error("%s: %s", getattr(fn, "__name__", fn), e)
+            # EFBIG (past the cache disk's maximum file size) is the caller's doing; a
+            # full or read-only cache disk the operator's; anything else is unexpected
+            level = (logging.DEBUG if e.errno == errno.EFBIG else logging.WARNING
+                     if e.errno in _DISK_ERRORS else logging.ERROR)
+            log.log(level, "%s (%s): %s", getattr(fn, "__name__", fn), args[0] if args else "", e)
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
         except Exception:
-            log.exception("unexpected error in %s", getattr(fn, "__name__", fn))
+            log.exception("unexpected error in %s (%s)", getattr(fn, "__name__", fn),
+                          args[0] if args else "")
             raise pyfuse3.FUSEError(errno.EIO) from None
 
     async def lookup(self, parent_inode, name, ctx=None):
