@@ -260,6 +260,11 @@ def main() -> None:
             sys.exit(e.exit_code)
         if isinstance(e, click.exceptions.Abort):
             sys.exit(1)
+        if hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int):
+            # typer's own copy of click: a usage error, as one line with the option's name
+            if e.format_message():    # (no arguments at all: the help was shown)
+                print(f"acache: error: {e.format_message()}", file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
         print(f"acache: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
 

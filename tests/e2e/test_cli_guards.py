@@ -100,6 +100,9 @@ def test_cache_size_over_the_disk_warns_and_negative_timeouts_are_refused(tmp_pa
             p = n.cli(*args, check=False)
             one_line_error(p)
             assert "--timeout" in p.stderr and "finite number of seconds >= 0" in p.stderr
+        p = n.cli("flush", "--timeout", "soon", check=False)   # not a number: a usage error
+        one_line_error(p)
+        assert p.returncode == 2 and "'--timeout'" in p.stderr, p.stderr
         assert n.pid() is not None                      # the refused `down` left it running
     finally:
         n.stop()
