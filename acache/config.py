@@ -23,8 +23,8 @@ import os
 import re
 import tempfile
 import tomllib
-from fractions import Fraction
 from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 

@@ -17,6 +17,11 @@ def _threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_mount_overlapping_the_under_storage_or_state_is_refused(make_node, tmp_path):
     n = make_node(start=False)
     n.cli("up")
@@ -135,7 +140,7 @@ def test_control_socket_is_bounded_and_survives_garbage(tmp_path):
                 head = s.recv(4, socket.MSG_WAITALL)
                 body = s.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL)
                 return msgpack.unpackb(body)
-        rss0 = int(open(f"/proc/{pid}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        rss0 = _rss(pid)
         stalled = []
         for _ in range(8):                              # 8 frames announcing 60 MiB each
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -148,7 +153,7 @@ def test_control_socket_is_bounded_and_survives_garbage(tmp_path):
             rep = msgpack.unpackb(s.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL))
             assert "too large" in rep["error"], rep
             s.close()
-        rss1 = int(open(f"/proc/{pid}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        rss1 = _rss(pid)
         assert rss1 - rss0 < 64 << 20, f"RSS grew by {(rss1 - rss0) >> 20} MiB"
         for body in (b"\xc1\xc1\xc1", msgpack.packb([1, 2]), msgpack.packb("status"),
                      msgpack.packb({"op": "status", "path": 3})):

@@ -99,15 +99,15 @@ def test_idle_connections_take_no_thread_and_the_node_still_answers(server):
 
 
 def test_incomplete_request_times_out(server):
-    srv, path = server(request_timeout=0.3)
+    _, path = server(request_timeout=0.3)
     with connect(path) as s:
         s.sendall(struct.pack(">I", 100) + b"abc")       # 3 of 100 bytes, then nothing
         assert s.recv(1) == b""                          # closed by the server (within 30 s)
     assert status(path)["ok"]
 
 
-def test_oversized_header_is_refused_before_the_body(server, caplog):
-    srv, path = server()
+def test_oversized_header_is_refused_before_the_body(server):
+    _, path = server()
     with connect(path) as s:
         s.sendall(struct.pack(">I", 60 << 20))           # announces 60 MiB, sends none of it
         rep = frame.recv(s)                              # answered without waiting for the body
@@ -128,7 +128,7 @@ def test_oversized_header_is_refused_before_the_body(server, caplog):
     msgpack.packb({"op": "status"}) + b"\xff\xff",       # length covers trailing garbage
 ])
 def test_malformed_requests_get_an_error_and_one_log_line(server, caplog, body):
-    srv, path = server()
+    _, path = server()
     caplog.set_level(logging.DEBUG, logger="acache")
     rep = raw_request(path, struct.pack(">I", len(body)) + body)
     assert rep is not None and "error" in rep, rep

@@ -30,7 +30,7 @@ _BUCKET_RESERVED = (("xn--", "sthree-", "amzn-s3-demo-"), ("-s3alias", "--ol-s3"
 def check_url(url: str, node: bool = False) -> None:
     """Check an under-storage URL's form without opening it (ConfigError says what is wrong).
     ``node``: for a node's under-storage, which must keep data (no mem://)."""
-    scheme, sep, rest = url.partition("://")
+    scheme, sep, _ = url.partition("://")
     if not sep or scheme not in _REGISTRY:
         raise ConfigError(f"unsupported under-storage URL {url!r} "
                           f"(expected one of: {', '.join(s + '://' for s in _REGISTRY)})")
@@ -57,7 +57,8 @@ def check_url(url: str, node: bool = False) -> None:
 def open_store(url: str, options: dict | None = None) -> UnderStore:
     """Open the under-store for ``url`` (file:///dir, s3://bucket/prefix, mem://name)."""
     check_url(url)
-    module, factory, hint = _REGISTRY[url.partition("://")[0]]
+    scheme = url.partition("://")[0]
+    module, factory, hint = _REGISTRY[scheme]
     try:
         mod = importlib.import_module(module)
     except ImportError as e:  # pragma: no cover - depends on the install
