@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, Time
 from rich.table import Table
 
 from acache import config
-from acache.errors import AcacheError
+from acache.errors import AcacheError, ConfigError
 from acache.node.client import Client, is_running
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -54,6 +55,9 @@ def _run_foreground(s: config.Settings) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if is_running(s.socket_path):
         raise AcacheError(f"an acache node is already running (socket {s.socket_path})")
+    config.check_layout(s)
+    for warning in config.startup_warnings(s):
+        logging.getLogger("acache").warning("%s", warning)
     node = Node(s)
     server = ControlServer(node, str(s.socket_path))
 
@@ -71,6 +75,9 @@ def _run_foreground(s: config.Settings) -> None:
 def _start_background(s: config.Settings, argv: list[str]) -> None:
     if is_running(s.socket_path):
         return
+    config.check_layout(s)        # the node checks again; this fails before starting one
+    for warning in config.startup_warnings(s):
+        err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
     s.home.mkdir(parents=True, exist_ok=True)
     log = open(s.log_path, "ab")
     start = log.tell()
@@ -90,6 +97,11 @@ def _start_background(s: config.Settings, argv: list[str]) -> None:
             return
         time.sleep(0.1)
     raise AcacheError(f"the node did not become ready within 60 s; see {s.log_path}")
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and (not math.isfinite(timeout) or timeout < 0):
+        raise ConfigError(f"--timeout {timeout:g}: expected a finite number of seconds >= 0")
 
 
 def _up_argv(cache_dir, ufs, config_file, cache_size, engine) -> list[str]:
@@ -126,6 +138,7 @@ def down(no_flush: bool = typer.Option(False, "--no-flush", help="Stop without p
          timeout: Optional[float] = typer.Option(None, help="Give up flushing after this many seconds."),
          home: Optional[Path] = HomeOpt) -> None:
     """Stop the node, by default after persisting everything dirty."""
+    _check_timeout(timeout)
     s = _settings(home)
     with Client(s.socket_path, timeout=None) as c:
         res = c.call("down", flush=not no_flush, timeout=timeout)
@@ -134,7 +147,8 @@ def down(no_flush: bool = typer.Option(False, "--no-flush", help="Stop without p
         time.sleep(0.05)
     if no_flush and res.get("left_dirty"):
         err.print(f"[yellow]warning:[/] {res['left_dirty']} journal entries stay dirty in "
-                  f"{s.cache_path}; they are persisted at the next `acache up`")
+                  f"{res.get('cache_dir') or s.cache_path}; they are persisted at the next "
+                  "`acache up`", soft_wrap=True)
     out.print("acache node stopped")
 
 
@@ -171,6 +185,7 @@ def flush(path: Optional[Path] = typer.Argument(None, help="Only what is under t
           timeout: Optional[float] = typer.Option(None, help="Fail after this many seconds."),
           home: Optional[Path] = HomeOpt) -> None:
     """Persist now; with --wait, return 0 only when everything written before is persisted."""
+    _check_timeout(timeout)
     s = _settings(home)
     p = str(path.absolute()) if path else None
     with Client(s.socket_path, timeout=30) as c:
@@ -245,6 +260,11 @@ def main() -> None:
             sys.exit(e.exit_code)
         if isinstance(e, click.exceptions.Abort):
             sys.exit(1)
+        if hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int):
+            # typer's own copy of click: a usage error, as one line with the option's name
+            if e.format_message():    # (no arguments at all: the help was shown)
+                print(f"acache: error: {e.format_message()}", file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
         print(f"acache: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
 

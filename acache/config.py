@@ -18,12 +18,15 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from acache.errors import ConfigError
 
@@ -35,14 +38,33 @@ S3_KEYS = {"endpoint", "region", "access_key", "secret_key", "session_token", "a
            "connect_timeout", "read_timeout"}
 
 
-def parse_size(value: object, what: str = "size") -> int:
-    """'20GiB' / '512m' / 1048576 -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+class _Bad(ValueError):
+    """A value that cannot be used; the message says why (the caller names key and source)."""
+
+
+def _size(value: object) -> int:
+    """'20GiB' / '512m' / 1048576 -> bytes: a whole number of bytes, never a bool or a fraction."""
+    if isinstance(value, bool):
+        raise _Bad("expected a size (e.g. 20GiB, 512MiB), not a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise _Bad("a size cannot be negative")
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"{what}: cannot read {value!r} as a size (e.g. 20GiB, 512MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise _Bad("cannot read it as a size (e.g. 20GiB, 512MiB, or a whole number of bytes)")
+    n = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+    if n.denominator != 1:
+        raise _Bad("not a whole number of bytes (a size without a unit is in bytes)")
+    return int(n)
+
+
+def parse_size(value: object, what: str = "size") -> int:
+    """'20GiB' / '512m' / 1048576 -> bytes."""
+    try:
+        return _size(value)
+    except _Bad as e:
+        raise ConfigError(f"{what}: {value!r}: {e}") from None
 
 
 def default_home() -> Path:
@@ -67,6 +89,11 @@ class Settings:
     upload_concurrency: int = 4
     log_level: str = "INFO"
     s3: dict = field(default_factory=dict)
+    # key -> where its value came from ("config file X, line N", "environment ACACHE_X", "--x")
+    sources: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def source(self, key: str) -> str:
+        return self.sources.get(key, "default")
 
     # -- derived -----------------------------------------------------------------
     @property
@@ -96,14 +123,14 @@ class Settings:
         return st.f_blocks * st.f_frsize // 2
 
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
         d["home"] = str(self.home)
         d["cache_dir"] = str(self.cache_path)
         d["ufs"] = self.ufs_url
         return d
 
 
-def parse_bool(value: object, what: str) -> bool:
+def _bool(value: object) -> bool:
     if isinstance(value, bool):
         return value
     v = str(value).strip().lower()
@@ -111,28 +138,117 @@ def parse_bool(value: object, what: str) -> bool:
         return True
     if v in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{what}: expected true or false, not {value!r}")
+    raise _Bad("expected true or false")
+
+
+def parse_bool(value: object, what: str) -> bool:
+    try:
+        return _bool(value)
+    except _Bad as e:
+        raise ConfigError(f"{what}: {e}, not {value!r}") from None
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise _Bad("expected a number")
+    try:
+        return float(value)
+    except ValueError:
+        raise _Bad("expected a number") from None
+
+
+def _seconds(value: object) -> float:
+    """A duration: a finite number of seconds >= 0."""
+    v = _number(value)
+    if not math.isfinite(v) or v < 0:
+        raise _Bad("expected a finite number of seconds >= 0")
+    return v
+
+
+def _positive_seconds(value: object) -> float:
+    v = _seconds(value)
+    if v == 0:
+        raise _Bad("expected a finite number of seconds > 0")
+    return v
+
+
+MAX_UPLOAD_CONCURRENCY = 256
+
+
+def _concurrency(value: object) -> int:
+    v = _number(value)
+    if not v.is_integer() or not 1 <= v <= MAX_UPLOAD_CONCURRENCY:
+        raise _Bad(f"expected a whole number from 1 to {MAX_UPLOAD_CONCURRENCY}")
+    return int(v)
+
+
+MIN_CHUNK, MAX_CHUNK, MIN_CACHE = 4 << 10, 1 << 30, 1 << 20
+
+
+def _chunk(value: object) -> int:
+    v = _size(value)
+    if v < MIN_CHUNK or v > MAX_CHUNK or v % MIN_CHUNK:
+        raise _Bad("expected a multiple of 4 KiB from 4 KiB to 1 GiB (e.g. 8MiB)")
+    return v
+
+
+def _cache_size(value: object) -> int | None:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return None
+    v = _size(value)
+    if v < MIN_CACHE:
+        raise _Bad('expected "auto" or a size of at least 1 MiB (e.g. 50GiB)')
+    return v
+
+
+def _path(value: object) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip() or "\0" in str(value):
+        raise _Bad("expected a directory path")
+    return Path(os.path.expanduser(str(value))).absolute()
+
+
+def _choice(*allowed: str):
+    def cast(value: object) -> str:
+        v = str(value).strip() if isinstance(value, str) else None
+        if v not in allowed:
+            raise _Bad(f"expected one of {', '.join(allowed)}")
+        return v
+    return cast
+
+
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: object) -> str:
+    return _choice(*_LEVELS)(value.upper() if isinstance(value, str) else value)
+
+
+def _ufs(value: object) -> str:
+    if not isinstance(value, str):
+        raise _Bad("expected a URL (file:///dir or s3://bucket/prefix)")
+    from acache.data.under import check_url
+    try:
+        check_url(value, node=True)
+    except ConfigError as e:
+        raise _Bad(str(e)) from None
+    return value
 
 
 _CASTS = {
-    "home": Path, "cache_dir": Path, "ufs": str, "engine": str, "log_level": str,
-    "cache_size": lambda v: None if str(v) == "auto" else parse_size(v, "cache_size"),
-    "passthrough": lambda v: parse_bool(v, "passthrough"),
-    "flush_delay": float, "stall_timeout": float, "upload_concurrency": int,
-    "chunk_size": lambda v: parse_size(v, "chunk_size"),
+    "home": _path, "cache_dir": _path, "ufs": _ufs,
+    "engine": _choice("auto", "native", "pyfuse3"), "log_level": _log_level,
+    "cache_size": _cache_size, "passthrough": _bool,
+    "flush_delay": _seconds, "stall_timeout": _positive_seconds, "upload_concurrency": _concurrency,
+    "chunk_size": _chunk,
 }
 
 
 def _cast(key: str, value: object, where: str) -> object:
+    """One setting from one source; a bad value is one line naming the source, key and value."""
     try:
-        out = _CASTS[key](value)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: bad value {value!r} for {key}") from None
-    if key == "engine" and out not in ("auto", "native", "pyfuse3"):
-        raise ConfigError(f"{where}: engine must be auto, native or pyfuse3, not {out!r}")
-    return out
+        return _CASTS[key](value)
+    except _Bad as e:
+        raise ConfigError(f"{where}: {key} = {value!r}: {e}") from None
 
 
 def _line_of(text: str, key: str) -> int:
@@ -145,9 +261,14 @@ def _line_of(text: str, key: str) -> int:
 def read_file(path: Path) -> dict:
     """Parse a TOML config file; every error names the file (and line)."""
     try:
-        text = Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not a TOML text file (byte {data[e.start]:#04x} "
+                          f"at offset {e.start} is not UTF-8)") from None
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -155,6 +276,7 @@ def read_file(path: Path) -> dict:
     out: dict = {}
     for key, value in raw.items():
         where = f"config file {path}, line {_line_of(text, key)}"
+        out.setdefault("sources", {})[key] = where
         if key == "s3":
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: [s3] must be a table")
@@ -182,10 +304,12 @@ def load(config: Path | None = None, **flags) -> Settings:
         cfg = candidate if candidate.exists() else None
     if cfg is not None:
         values.update(read_file(Path(cfg)))
+    sources: dict[str, str] = values.pop("sources", {})
     for key in _CASTS:
         env = os.environ.get(f"ACACHE_{key.upper()}")
         if env not in (None, ""):
-            values[key] = _cast(key, env, f"environment ACACHE_{key.upper()}")
+            sources[key] = f"environment ACACHE_{key.upper()}"
+            values[key] = _cast(key, env, sources[key])
     s3_env = {k: os.environ[f"ACACHE_S3_{k.upper()}"] for k in S3_KEYS
               if os.environ.get(f"ACACHE_S3_{k.upper()}")}
     if s3_env:   # env over the file here too; credentials go together (never mixed)
@@ -196,8 +320,79 @@ def load(config: Path | None = None, **flags) -> Settings:
         values["s3"] = {**s3, **s3_env}
     for key, value in flags.items():
         if value is not None:
-            values[key] = _cast(key, value, f"--{key.replace('_', '-')}") if key in _CASTS else value
-    s = Settings(**values)
-    if s.flush_delay < 0 or s.stall_timeout <= 0 or s.upload_concurrency < 1:
-        raise ConfigError("flush_delay must be >= 0, stall_timeout > 0, upload_concurrency >= 1")
+            if key in _CASTS:
+                sources[key] = f"--{key.replace('_', '-')}"
+                values[key] = _cast(key, value, sources[key])
+            else:
+                values[key] = value
+    s = Settings(**values, sources=sources)
+    if s.cache_size is not None and s.cache_size < s.chunk_size:
+        raise ConfigError(f"cache_size = {s.cache_size} ({s.source('cache_size')}) is smaller than "
+                          f"chunk_size = {s.chunk_size} ({s.source('chunk_size')})")
     return replace(s, home=Path(s.home))
+
+
+# -- where things live: the state dir, the cache dir, a file:// under-storage, the mount ------
+def _ufs_dir(url: str) -> str | None:
+    parts = urlsplit(url)
+    return unquote(parts.path) if parts.scheme == "file" else None
+
+
+def _inside(inner: str, outer: str) -> bool:
+    return os.path.commonpath([inner, outer]) == outer
+
+
+# (inner, outer): the only nestings allowed, as in the default layout <home>/cache, <home>/ufs
+_NESTING_OK = {("cache directory", "state directory"), ("under-storage", "state directory")}
+
+
+def check_layout(s: Settings, mountpoint: str | None = None) -> None:
+    """Refuse any overlap of the state directory, the cache directory, a file:// under-storage
+    and the mount point (after resolving symlinks): the same directory, or one inside another.
+    The one exception is the default layout: cache and under-storage inside the state dir.
+    A mount inside the under-storage would show itself; a cache inside it would be persisted;
+    an under-storage inside the cache would be taken for cache files."""
+    places = [("state directory", s.home, s.source("home")),
+              ("cache directory", s.cache_path, s.source("cache_dir") if s.cache_dir else
+               "default: <state directory>/cache")]
+    ufs = _ufs_dir(s.ufs_url)
+    if ufs is not None:
+        places.append(("under-storage", ufs, s.source("ufs") if s.ufs else
+                       "default: <state directory>/ufs"))
+    if mountpoint is not None:
+        places.append(("mount point", mountpoint, "acache mount"))
+    real = [(what, os.path.realpath(p), p, src) for what, p, src in places]
+    for i, (a, ra, pa, sa) in enumerate(real):
+        for b, rb, pb, sb in real[i + 1:]:
+            if ra == rb:
+                raise ConfigError(f"the {a} ({pa}, {sa}) and the {b} ({pb}, {sb}) are the same "
+                                  f"directory ({ra}): they must not overlap")
+            for (x, rx, px, sx), (y, ry, py, sy) in (((a, ra, pa, sa), (b, rb, pb, sb)),
+                                                     ((b, rb, pb, sb), (a, ra, pa, sa))):
+                if _inside(rx, ry) and (x, y) not in _NESTING_OK:
+                    raise ConfigError(f"the {x} {rx} ({sx}) is inside the {y} {ry} ({sy}): "
+                                      "they must not overlap")
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def startup_warnings(s: Settings) -> list[str]:
+    """Settings that work but probably not as meant (for the log and the terminal)."""
+    out = []
+    if s.cache_size is not None:
+        where = _existing(s.cache_path)
+        try:
+            st = os.statvfs(where)
+        except OSError:
+            return out
+        total = st.f_blocks * st.f_frsize
+        if s.cache_size > total:
+            out.append(f"cache_size = {s.cache_size} ({s.source('cache_size')}) is larger than the "
+                       f"whole filesystem of the cache directory {s.cache_path} ({total} bytes): "
+                       "writes fail with ENOSPC when that disk is full, before the limit holds "
+                       "writers back")
+    return out

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 from acache import errors
@@ -18,12 +19,21 @@ class Client:
         self.path = str(path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(self.path)
-        except (FileNotFoundError, ConnectionRefusedError):
-            self.sock.close()
-            raise DaemonError(f"no acache node is running (no daemon at {self.path}); "
-                              "start one with `acache up`") from None
+        deadline = time.monotonic() + (timeout if timeout is not None else 30.0)
+        while True:
+            try:
+                self.sock.connect(self.path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                self.sock.close()
+                raise DaemonError(f"no acache node is running (no daemon at {self.path}); "
+                                  "start one with `acache up`") from None
+            except BlockingIOError:   # the node's accept backlog is full: a burst of clients
+                if time.monotonic() > deadline:
+                    self.sock.close()
+                    raise DaemonError(f"the acache node at {self.path} accepts no connection "
+                                      "(its backlog is full)") from None
+                time.sleep(0.01)
 
     def __enter__(self) -> "Client":
         return self
@@ -36,7 +46,7 @@ class Client:
         while True:
             try:
                 rep = frame.recv(self.sock)
-            except (ConnectionError, OSError) as e:
+            except (ConnectionError, OSError, frame.FrameError) as e:
                 raise DaemonError(f"the acache node went away during {op!r}: {e}") from None
             if "progress" in rep:
                 if on_progress is not None:

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from acache.config import Settings
+from acache.config import Settings, check_layout
 from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under import open_store
@@ -114,6 +114,7 @@ class Node:
             raise ConfigError(f"{path} is already a mount point")
         if os.listdir(path):
             raise ConfigError(f"mount point {path} is not empty")
+        check_layout(self.settings, path)
         name, why, make = self._choose_engine(engine)
         if make is None:
             from acache.fs.pyfuse3_engine import Pyfuse3Engine
