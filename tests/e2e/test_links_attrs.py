@@ -1,0 +1,167 @@
+"""Symbolic links, persisted attributes and a hostile file:// under-storage, through real
+mounts on every engine (pyfuse3; native with and without kernel passthrough).
+
+A cold cache is a new node (new ACACHE_HOME: no metadata, no cache files) on the same
+under-storage: what it shows comes from the under-storage alone."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.acache_node import AcacheNode, fuse_mounts
+
+VARIANTS = {"pyfuse3": ("pyfuse3", {}), "native": ("native", {}),
+            "native-nopt": ("native", {"ACACHE_PASSTHROUGH": "0"})}
+NOBODY = 65534
+MTIME = 1_700_000_000_123_456_789
+
+
+@pytest.fixture
+def world():
+    """A directory every user can traverse (pytest's tmp_path is 0700 root): the
+    non-root checks need to reach the mount."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.fail("e2e tests need /dev/fuse and root")
+    d = Path(f"/tmp/acache-links-{uuid.uuid4().hex[:10]}")
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(params=list(VARIANTS))
+def make(request, world):
+    engine, env = VARIANTS[request.param]
+    nodes: list[AcacheNode] = []
+
+    def make(ufs: Path, name: str | None = None, start: bool = True) -> AcacheNode:
+        n = AcacheNode(world / (name or f"n{len(nodes)}"), engine=engine,
+                       ufs=f"file://{ufs}", extra_env=env)
+        os.chmod(n.root, 0o755)
+        os.chmod(n.mnt, 0o755)
+        nodes.append(n)
+        return n.start() if start else n
+    yield make
+    for n in nodes:
+        n.stop()
+    left = [m for m in fuse_mounts() if m.startswith(str(world))]
+    assert not left, f"mounts left behind: {left}"
+
+
+def as_nobody(*cmd: str) -> subprocess.CompletedProcess:
+    def drop():
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+    return subprocess.run(list(cmd), preexec_fn=drop, capture_output=True, text=True, timeout=60)
+
+
+def test_links_persist_and_list_back_as_links(make, world):
+    ufs = world / "ufs"
+    n = make(ufs)
+    m = n.mnt
+    (m / "checkpoint-3").mkdir()
+    (m / "checkpoint-3" / "w.bin").write_bytes(b"weights")
+    os.symlink("checkpoint-3", m / "latest")                       # the `latest` pattern
+    subprocess.run(["ln", "-s", "../shared/tokenizer.json", str(m / "checkpoint-3" / "tok")],
+                   check=True)
+    assert subprocess.run(["readlink", str(m / "latest")], capture_output=True, text=True,
+                          check=True).stdout.strip() == "checkpoint-3"
+    st = os.lstat(m / "latest")
+    assert stat.S_ISLNK(st.st_mode) and st.st_size == len("checkpoint-3")
+    assert (m / "latest" / "w.bin").read_bytes() == b"weights"     # the kernel follows it
+    os.symlink("checkpoint-2", m / "tmp-link")                     # renamed, then deleted:
+    os.rename(m / "tmp-link", m / "old-link")                      # never persisted
+    os.unlink(m / "old-link")
+    os.symlink("checkpoint-1", m / "renamed-before")
+    os.rename(m / "renamed-before", m / "previous")
+    os.chown(m / "latest", 1234, 5678, follow_symlinks=False)
+    os.utime(m / "latest", ns=(MTIME, MTIME), follow_symlinks=False)
+    n.flush(timeout=60)
+    assert os.readlink(ufs / "latest") == "checkpoint-3"
+    assert os.readlink(ufs / "checkpoint-3" / "tok") == "../shared/tokenizer.json"
+    assert os.readlink(ufs / "previous") == "checkpoint-1"
+    assert not any(os.path.lexists(ufs / x) for x in ("tmp-link", "old-link", "renamed-before"))
+    assert not [p for p in ufs.rglob(".acache-tmp.*")]
+    u = os.lstat(ufs / "latest")
+    assert (u.st_uid, u.st_gid, u.st_mtime_ns) == (1234, 5678, MTIME)
+    n.stop()
+
+    cold = make(ufs)
+    c = cold.mnt
+    assert sorted(os.listdir(c)) == ["checkpoint-3", "latest", "previous"]
+    st = os.lstat(c / "latest")
+    assert stat.S_ISLNK(st.st_mode) and os.readlink(c / "latest") == "checkpoint-3"
+    assert (st.st_uid, st.st_gid, st.st_mtime_ns) == (1234, 5678, MTIME)
+    assert os.readlink(c / "checkpoint-3" / "tok") == "../shared/tokenizer.json"
+    assert (c / "latest" / "w.bin").read_bytes() == b"weights"
+
+
+def test_attributes_persist_and_come_back_on_a_cold_cache(make, world):
+    ufs = world / "ufs"
+    n = make(ufs)
+    m = n.mnt
+    (m / "run").mkdir(mode=0o700)
+    os.chmod(m / "run", 0o700)
+    os.chown(m / "run", 1000, 1000)
+    with open(m / "run" / "private.pt", "wb") as f:
+        f.write(b"p" * 1000)
+    os.chmod(m / "run" / "private.pt", 0o600)                     # before it lands: collapses
+    os.chown(m / "run" / "private.pt", 1000, 1001)
+    os.utime(m / "run" / "private.pt", ns=(MTIME, MTIME))
+    (m / "run" / "later.pt").write_bytes(b"l")
+    n.flush(timeout=60)
+    u = os.stat(ufs / "run" / "private.pt")
+    assert (stat.S_IMODE(u.st_mode), u.st_uid, u.st_gid, u.st_mtime_ns) == (0o600, 1000, 1001, MTIME)
+    d = os.stat(ufs / "run")
+    assert (stat.S_IMODE(d.st_mode), d.st_uid) == (0o700, 1000)
+    # only attributes of a persisted file change: no re-upload (same inode in the store)
+    ino = os.stat(ufs / "run" / "later.pt").st_ino
+    os.chmod(m / "run" / "later.pt", 0o640)
+    os.utime(m / "run" / "later.pt", ns=(MTIME + 5, MTIME + 5))
+    n.flush(timeout=60)
+    u = os.stat(ufs / "run" / "later.pt")
+    assert (u.st_ino, stat.S_IMODE(u.st_mode), u.st_mtime_ns) == (ino, 0o640, MTIME + 5)
+    n.stop()
+
+    cold = make(ufs)
+    c = cold.mnt
+    s = os.stat(c / "run" / "private.pt")
+    assert (stat.S_IMODE(s.st_mode), s.st_uid, s.st_gid, s.st_mtime_ns) == (0o600, 1000, 1001, MTIME)
+    s = os.stat(c / "run")
+    assert (stat.S_IMODE(s.st_mode), s.st_uid) == (0o700, 1000)
+    assert as_nobody("cat", str(c / "run" / "private.pt")).returncode != 0   # stays private
+    s = os.stat(c / "run" / "later.pt")
+    assert (stat.S_IMODE(s.st_mode), s.st_mtime_ns) == (0o640, MTIME + 5)
+
+
+def test_planted_links_in_the_under_storage_leak_nothing(make, world):
+    outside = world / "outside"
+    (outside / "private").mkdir(parents=True)
+    os.chmod(outside / "private", 0o700)
+    (outside / "private" / "secret").write_bytes(b"secret")
+    os.chmod(outside / "private" / "secret", 0o600)
+    (outside / "rootonly").mkdir()
+    os.chmod(outside / "rootonly", 0o700)
+    ufs = world / "ufs"
+    ufs.mkdir()
+    os.symlink(outside / "private" / "secret", ufs / "secret")
+    os.symlink(outside / "rootonly", ufs / "dl")
+    n = make(ufs)
+    m = n.mnt
+    os.chown(m, NOBODY, NOBODY)   # the user owns the mount's root (what listing inherits)
+    r = as_nobody("cat", str(m / "secret"))
+    assert r.returncode != 0 and "secret" not in r.stdout, r
+    r = as_nobody("sh", "-c", f"echo pwned > {m / 'dl' / 'x'}")
+    assert r.returncode != 0, r
+    assert stat.S_ISLNK(os.lstat(m / "secret").st_mode) and stat.S_ISLNK(os.lstat(m / "dl").st_mode)
+    assert os.readlink(m / "dl") == str(outside / "rootonly")
+    n.flush(timeout=60)
+    assert os.listdir(outside / "rootonly") == []
+    assert (outside / "private" / "secret").read_bytes() == b"secret"
