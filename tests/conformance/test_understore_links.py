@@ -43,6 +43,19 @@ def test_symlink_round_trip(backend, store):
     assert backend.leftovers() == []
 
 
+def test_links_and_files_replace_each_other(backend, store):
+    backend.put(store, "f", b"file")
+    store.symlink("l", "target")
+    store.rename("l", "f")                  # a link renamed onto a file replaces it
+    assert {n: e.link for n, e in names(store).items()} == {"f": "target"}
+    backend.put(store, "g", b"data")
+    store.rename("g", "f")                  # and a file renamed onto a link
+    assert {n: e.link for n, e in names(store).items()} == {"f": None}
+    assert store.read("f", 0, 10) == b"data"
+    store.symlink("f", "t2")                # a link made where a file is
+    assert {n: e.link for n, e in names(store).items()} == {"f": "t2"}
+
+
 def test_attrs_land_with_stage_mkdir_and_set_attrs(backend, store):
     data = b"x" * 1000
     st = store.stage("ck/w", store.new_token("ck/w"), backend.src(data), len(data), attrs=A)
@@ -146,10 +159,22 @@ def test_file_store_skips_fifos_and_never_blocks_on_them(planted):
 
 # -- hostile names ----------------------------------------------------------------------
 
+def _raw_put(b, path: str) -> None:
+    """PUT a key that SDKs refuse or normalize ('.' and '..' segments), as another tool could."""
+    import urllib3
+    from urllib.parse import quote
+    key = "/".join("%2E" * len(p) if p in (".", "..") else quote(p)
+                   for p in f"{b.prefix}/{path}".split("/"))
+    r = urllib3.PoolManager().request("PUT", f"{b.s3.endpoint}/{b.s3.bucket}/{key}", body=b"x")
+    assert r.status == 200, r.data
+
+
 def test_s3_listing_skips_keys_that_cannot_be_names(s3backend, caplog):
     store = s3backend.open()
-    for key in ("ok/../../escape", "ok/./dot", "ok//empty", "ok/" + "n" * 300, "ok/fine"):
-        s3backend.raw_put(key, b"x")
+    for key in ("ok/../../escape", "ok/./dot", "ok//empty", "ok/" + "n" * 300, "ok/fine",
+                "ok/../x.rclonelink"):
+        _raw_put(s3backend, key)
+    assert len([k for k in s3backend.raw_keys() if "/../" in k]) == 2
     with caplog.at_level(logging.WARNING):
         ls = names(store, "ok")
         top = names(store)
