@@ -190,3 +190,11 @@ def test_s3_put_of_a_path_the_sdk_refuses_names_it(s3backend):
     with pytest.raises(PermanentError, match="n" * 20):
         data = b"x"
         store.stage(path, store.new_token(path), s3backend.src(data), 1).commit()
+
+
+def test_bad_name_tells_what_cannot_be_shown():
+    from acache.data.under.base import bad_name
+    for name in ("", ".", "..", "a/b", "a\0b", "n" * 256, "é" * 128):
+        assert bad_name(name) is not None, name
+    for name in ("...", ".hidden", "n" * 255, "é" * 127, "x.rclonelink", "\udcff"):
+        assert bad_name(name) is None, name

@@ -165,3 +165,78 @@ def test_planted_links_in_the_under_storage_leak_nothing(make, world):
     n.flush(timeout=60)
     assert os.listdir(outside / "rootonly") == []
     assert (outside / "private" / "secret").read_bytes() == b"secret"
+
+
+# -- s3:// ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def srv():
+    from tests.s3server import S3Server
+    with S3Server() as s:
+        yield s
+
+
+@pytest.fixture(params=list(VARIANTS))
+def make_s3(request, world, srv):
+    engine, env = VARIANTS[request.param]
+    nodes: list[AcacheNode] = []
+
+    def make(prefix: str) -> AcacheNode:
+        s3env = {f"ACACHE_S3_{k.upper()}": str(v) for k, v in srv.options().items()}
+        n = AcacheNode(world / f"n{len(nodes)}", engine=engine, ufs=srv.url(prefix),
+                       extra_env={**env, **s3env})
+        nodes.append(n)
+        return n.start()
+    yield make
+    for n in nodes:
+        n.stop()
+    left = [m for m in fuse_mounts() if m.startswith(str(world))]
+    assert not left, f"mounts left behind: {left}"
+
+
+def test_s3_links_and_attributes_persist_and_come_back(make_s3, srv):
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    n = make_s3(prefix)
+    m = n.mnt
+    (m / "checkpoint-3").mkdir()
+    os.chmod(m / "checkpoint-3", 0o750)
+    blob = os.urandom(2 << 20)
+    (m / "checkpoint-3" / "w.bin").write_bytes(blob)
+    os.chmod(m / "checkpoint-3" / "w.bin", 0o600)
+    os.chown(m / "checkpoint-3" / "w.bin", 1000, 1001)
+    os.utime(m / "checkpoint-3" / "w.bin", ns=(MTIME, MTIME))
+    os.symlink("checkpoint-3", m / "tmp-latest")
+    os.rename(m / "tmp-latest", m / "latest")                     # never persisted under tmp-
+    os.symlink("gone", m / "gone")
+    os.unlink(m / "gone")
+    n.flush(timeout=60)
+    c = srv.client()
+    keys = {o.object_name[len(prefix) + 1:] for o in
+            c.list_objects(srv.bucket, prefix=prefix + "/", recursive=True)}
+    assert keys == {"checkpoint-3/", "checkpoint-3/w.bin", "latest.rclonelink"}, keys
+    r = c.get_object(srv.bucket, f"{prefix}/latest.rclonelink")
+    assert r.read() == b"checkpoint-3"
+    r.close()
+    r.release_conn()
+    meta = c.stat_object(srv.bucket, f"{prefix}/checkpoint-3/w.bin").metadata
+    assert (meta["x-amz-meta-mode"], meta["x-amz-meta-uid"], meta["x-amz-meta-gid"]) == \
+        (str(0o100600), "1000", "1001")
+    assert meta["x-amz-meta-mtime"] == "1700000000.123456789"
+    # only attributes change: a copy in place, not a re-upload of the 2 MiB
+    done, up = n.status()["persisted_files"], srv.bytes_up
+    os.chmod(m / "checkpoint-3" / "w.bin", 0o640)
+    n.flush(timeout=60)
+    assert n.status()["persisted_files"] == done and srv.bytes_up - up < 64 << 10
+    meta = c.stat_object(srv.bucket, f"{prefix}/checkpoint-3/w.bin").metadata
+    assert meta["x-amz-meta-mode"] == str(0o100640) and meta["x-amz-meta-uid"] == "1000"
+    n.stop()
+
+    cold = make_s3(prefix)
+    cm = cold.mnt
+    assert sorted(os.listdir(cm)) == ["checkpoint-3", "latest"]
+    assert stat.S_ISLNK(os.lstat(cm / "latest").st_mode)
+    assert os.readlink(cm / "latest") == "checkpoint-3"
+    s = os.stat(cm / "latest" / "w.bin")
+    assert (stat.S_IMODE(s.st_mode), s.st_uid, s.st_gid, s.st_mtime_ns) == (0o640, 1000, 1001, MTIME)
+    assert stat.S_IMODE(os.stat(cm / "checkpoint-3").st_mode) == 0o750
+    assert (cm / "latest" / "w.bin").read_bytes() == blob

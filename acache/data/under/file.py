@@ -101,7 +101,7 @@ def os_error(e: OSError, what: str) -> UnderStoreError:
     """The one OSError -> UnderStoreError table of this module."""
     name = errno.errorcode.get(e.errno or 0, str(e.errno))
     msg = f"{what}: [{name}] {e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-    if e.errno in (errno.ELOOP, errno.EXDEV):
+    if e.errno == errno.ELOOP:
         msg += " (a symbolic link in the under-storage path: acache never follows links there)"
     return PermanentError(msg) if e.errno in _PERMANENT_ERRNOS else TransientError(msg)
 
@@ -442,10 +442,13 @@ class FileStore:
             try:
                 src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
+                    # private while it fills: a 0600 file is never readable on the way
                     dst = os.open(tname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                                  | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+                                  | os.O_CLOEXEC, 0o600, dir_fd=dfd)
                     try:
                         copy_range(src, dst, size, progress)
+                        if attrs is None or not attrs.mode:
+                            os.fchmod(dst, 0o644)
                         _set_fd_attrs(dst, attrs, path)
                         os.fsync(dst)
                         ino = os.fstat(dst).st_ino
