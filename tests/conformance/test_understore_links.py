@@ -89,11 +89,14 @@ def test_unknown_attrs_are_reported_unknown(backend, store):
 
 # -- file:// never follows links ----------------------------------------------------------
 
-@pytest.fixture
-def planted(tmp_path):
+@pytest.fixture(params=["openat2", "walk"])
+def planted(tmp_path, request, monkeypatch):
     """A file:// root with links planted by someone else: to a 0600 file in a 0700
-    directory outside, and to a root-only directory outside."""
+    directory outside, and to a root-only directory outside.  Paths are resolved by
+    openat2, or by the walk of O_NOFOLLOW descriptors used where the kernel lacks it."""
+    from acache.data.under import file as filestore
     from acache.data.under.file import FileStore
+    monkeypatch.setattr(filestore, "_openat2_works", [request.param == "openat2"])
     outside = tmp_path / "outside"
     (outside / "private").mkdir(parents=True)
     os.chmod(outside / "private", 0o700)
@@ -161,8 +164,9 @@ def test_file_store_skips_fifos_and_never_blocks_on_them(planted):
 
 def _raw_put(b, path: str) -> None:
     """PUT a key that SDKs refuse or normalize ('.' and '..' segments), as another tool could."""
-    import urllib3
     from urllib.parse import quote
+
+    import urllib3
     key = "/".join("%2E" * len(p) if p in (".", "..") else quote(p)
                    for p in f"{b.prefix}/{path}".split("/"))
     r = urllib3.PoolManager().request("PUT", f"{b.s3.endpoint}/{b.s3.bucket}/{key}", body=b"x")

@@ -150,3 +150,26 @@ def test_unknown_attrs_keep_the_defaults(tmp_path):
         assert (x.uid, x.gid) == (0, 0)
     finally:
         r.stop()
+
+
+def test_pending_links_and_attrs_survive_a_crash(tmp_path):
+    from acache.data.under.mem import MemState, MemStore
+    from acache.meta.kv_rocks import RocksKV
+    state = MemState()
+    kv = RocksKV(str(tmp_path / "db"))
+    r = Rig(tmp_path, store=MemStore("mem://c", state=state), kv=kv)
+    ino = r.write(ROOT_INO, b"f", b"data")
+    r.drain()
+    r.p._stop = True                         # "kill -9": nothing more is applied
+    r.vfs.symlink(ROOT_INO, b"latest", b"ck-7", CTX)
+    r.vfs.setattr(ino, CTX, mode=0o600)
+    kv.close()
+    kv2 = RocksKV(str(tmp_path / "db"))
+    r2 = Rig(tmp_path, store=MemStore("mem://c", state=state), kv=kv2)
+    try:
+        r2.drain()
+        assert "latest" in state.links and state.files["latest"][0] == b"ck-7"
+        assert state.attrs["f"].mode == 0o600 and state.files["f"][0] == b"data"
+    finally:
+        r2.stop()
+        kv2.close()

@@ -77,6 +77,7 @@ import base64
 import hashlib
 import os
 import ssl
+import stat as _stat
 import threading
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -94,12 +95,10 @@ from minio.error import InvalidResponseError, S3Error, ServerError
 from minio.helpers import MAX_PART_SIZE, check_bucket_name
 
 from acache.config import parse_size
-import stat as _stat
-
 from acache.data.under import s3meta
 from acache.data.under.base import Attrs, UEntry, rename_needed
-from acache.data.under.s3meta import LINK_SUFFIX, attrs_headers, parse_attrs
 from acache.data.under.file import NotFoundError, clean_path, name_of, os_error
+from acache.data.under.s3meta import LINK_SUFFIX, attrs_headers, parse_attrs
 from acache.errors import ConfigError, PermanentError, TransientError, UnderStoreError
 
 MiB = 1 << 20
