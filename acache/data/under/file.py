@@ -568,7 +568,7 @@ class FileStore:
         with self._errors("set_attrs", path), self._parent(path) as (dfd, name):
             st = self._lstat(dfd, name)
             if st is None:
-                log.warning("file://%s: %r is gone: its attributes cannot be set", self.root, path)
+                log.info("file://%s: %r is gone: its attributes cannot be set", self.root, path)
                 return
             if _stat.S_ISLNK(st.st_mode):
                 self._link_attrs(dfd, name, attrs, path)

@@ -189,4 +189,4 @@ def set_attrs(store, path: str, attrs: Attrs) -> None:
         if store._head(key + "/") is not None or store.wire.first_under(key + "/"):
             store.wire.put(key + "/", b"", EMPTY_MD5, attrs_headers(attrs, _stat.S_IFDIR))
             return
-    log.warning("s3://%s/%s is gone: its attributes cannot be set", store.bucket, key)
+    log.info("s3://%s/%s is gone: its attributes cannot be set", store.bucket, key)
