@@ -240,3 +240,22 @@ def test_s3_links_and_attributes_persist_and_come_back(make_s3, srv):
     assert (stat.S_IMODE(s.st_mode), s.st_uid, s.st_gid, s.st_mtime_ns) == (0o640, 1000, 1001, MTIME)
     assert stat.S_IMODE(os.stat(cm / "checkpoint-3").st_mode) == 0o750
     assert (cm / "latest" / "w.bin").read_bytes() == blob
+
+
+def test_s3_hostile_keys_are_skipped_in_the_mount(make_s3, srv):
+    """Keys another tool wrote with '..', '.' or empty segments (which no SDK would write)
+    list as nothing, never as a path outside the prefix; the rest lists normally."""
+    import urllib3
+    from urllib.parse import quote
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    http = urllib3.PoolManager()
+    for key in ("ok/../../escape", "ok/./dot", "ok//empty", "ok/" + "n" * 300, "ok/fine",
+                "../up.rclonelink"):
+        enc = "/".join("%2E" * len(p) if p in (".", "..") else quote(p)
+                       for p in f"{prefix}/{key}".split("/"))
+        assert http.request("PUT", f"{srv.endpoint}/{srv.bucket}/{enc}", body=b"x").status == 200
+    n = make_s3(prefix)
+    assert sorted(os.listdir(n.mnt)) == ["ok"]
+    assert os.listdir(n.mnt / "ok") == ["fine"]
+    assert (n.mnt / "ok" / "fine").read_bytes() == b"x"
+    assert "skipping" in (n.home / "acache.log").read_text()
