@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from acache.data.cache import CacheDir
-from acache.data.under.base import Staged, UnderStore
+from acache.data.under.base import Attrs, Staged, UnderStore
 from acache.errors import UnderStoreError
 from acache.meta.store import Entry, MetaStore
 
@@ -172,6 +172,8 @@ class Persister:
                     continue
                 if job is not None:
                     job.state = "committing"
+                elif head.op in ("mkdir", "symlink", "attrs"):
+                    head.attrs = self._attrs_of(head.ino)   # as they are now (journal.on_attrs)
                 self._applying = head.seq   # from now on the journal rules may not cancel it
             try:
                 self._apply(head, job)
@@ -232,6 +234,7 @@ class Persister:
         if e.token:                      # an earlier attempt's leftovers may remain
             txn.orphan_stage(e.token)
         e.token = self.under.new_token(e.path)
+        e.attrs = self._attrs_of(e.ino)   # later changes: an ATTRS entry (journal.on_attrs)
         txn.update_entry(e)
         txn.commit()
         job = Job(e)
@@ -249,7 +252,7 @@ class Persister:
         staged, error = None, None
         try:
             staged = self.under.stage(e.path, e.token, self.cache.path(e.ino, e.gen), e.size,
-                                      progress)
+                                      progress, attrs=Attrs.unpack(e.attrs))
         except _Aborted:
             pass
         except BaseException as exc:   # handed to the scheduler thread
@@ -321,7 +324,11 @@ class Persister:
         elif e.op == "delete":
             self.under.delete(e.path)
         elif e.op == "mkdir":
-            self.under.mkdir(e.path)
+            self.under.mkdir(e.path, Attrs.unpack(e.attrs))
+        elif e.op == "symlink":
+            self.under.symlink(e.path, e.target, Attrs.unpack(e.attrs))
+        elif e.op == "attrs":
+            self.under.set_attrs(e.path, Attrs.unpack(e.attrs) or Attrs())
         elif e.op == "rmdir":
             self.under.rmdir(e.path)
         log.debug("applied seq %d: %s %s%s (ino %d gen %d)", e.seq, e.op, e.path,
@@ -353,7 +360,7 @@ class Persister:
             self.bytes_done += e.size
             self.files_done += 1
             self._rate.append((time.monotonic(), self.bytes_done))
-        elif e.op == "mkdir":
+        elif e.op in ("mkdir", "symlink"):
             node = self.meta.get(e.ino)
             if node is not None:
                 node.upath = e.path
@@ -370,6 +377,13 @@ class Persister:
             self.gc(e.ino, e.gen)
         self.on_applied(e)
         self.cond.notify_all()
+
+    def _attrs_of(self, ino: int) -> list:
+        """The attributes an entry of ``ino`` lands with (under the lock)."""
+        node = self.meta.get(ino)
+        if node is None:
+            return []
+        return Attrs(node.mode & 0o7777, node.uid, node.gid, node.mtime_ns).pack()
 
     def _failed(self, e: Entry, err: UnderStoreError) -> None:
         with self.lock:

@@ -169,7 +169,10 @@ class Ops(pyfuse3.Operations):
         raise pyfuse3.FUSEError(errno.EPERM)
 
     async def symlink(self, parent_inode, name, target, ctx):
-        raise pyfuse3.FUSEError(errno.EPERM)
+        return _entry(await self._call(self.vfs.symlink, parent_inode, name, target, _ctx(ctx)))
+
+    async def readlink(self, inode, ctx):
+        return await self._call(self.vfs.readlink, inode)
 
     async def opendir(self, inode, ctx):
         return await self._call(self.vfs.opendir, inode, _ctx(ctx))

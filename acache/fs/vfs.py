@@ -26,6 +26,7 @@ from acache.meta.store import Inode, MetaStore
 
 log = logging.getLogger("acache.vfs")
 NAME_MAX = 255
+PATH_MAX = 4096
 
 
 def _now() -> int:
@@ -94,17 +95,27 @@ class VFS(FileOps):
                 name = ent.name.encode("utf-8", "surrogateescape")
                 if name in kids or not name or len(name) > NAME_MAX:
                     continue
-                mt = int(ent.mtime * 1e9) or node.mtime_ns
+                mt = ent.mtime_ns or int(ent.mtime * 1e9) or node.mtime_ns
                 child_path = f"{upath}/{ent.name}" if upath else ent.name
+                # attributes the store does not know (written by another tool): 0644 files,
+                # 0755 directories, owned by the parent's owner
+                owner = dict(uid=ent.uid if ent.uid >= 0 else node.uid,
+                             gid=ent.gid if ent.gid >= 0 else node.gid)
                 if ent.is_dir:
-                    child = self.meta.new_inode(txn, mode=st.S_IFDIR | 0o755, nlink=2, atime_ns=mt,
-                                                mtime_ns=mt, ctime_ns=mt, parent=node.ino, name=name,
-                                                upath=child_path, cached=True, uid=node.uid, gid=node.gid)
+                    child = self.meta.new_inode(txn, mode=st.S_IFDIR | (ent.mode or 0o755), nlink=2,
+                                                atime_ns=mt, mtime_ns=mt, ctime_ns=mt, parent=node.ino,
+                                                name=name, upath=child_path, cached=True, **owner)
+                elif ent.link is not None:
+                    target = ent.link.encode("utf-8", "surrogateescape")
+                    child = self.meta.new_inode(txn, mode=st.S_IFLNK | 0o777, size=len(target),
+                                                atime_ns=mt, mtime_ns=mt, ctime_ns=mt, parent=node.ino,
+                                                name=name, upath=child_path, cached=True,
+                                                target=target, **owner)
                 else:
-                    child = self.meta.new_inode(txn, mode=st.S_IFREG | 0o644, size=ent.size, atime_ns=mt,
-                                                mtime_ns=mt, ctime_ns=mt, parent=node.ino, name=name,
-                                                upath=child_path, cached=ent.size == 0,
-                                                uid=node.uid, gid=node.gid)
+                    child = self.meta.new_inode(txn, mode=st.S_IFREG | (ent.mode or 0o644), size=ent.size,
+                                                atime_ns=mt, mtime_ns=mt, ctime_ns=mt, parent=node.ino,
+                                                name=name, upath=child_path, cached=ent.size == 0,
+                                                **owner)
                 txn.link(node.ino, name, child.ino)
             node.listed = True
             txn.save(node)
@@ -179,7 +190,10 @@ class VFS(FileOps):
                     os.utime(fd, ns=(node.atime_ns or now, node.mtime_ns))
             node.ctime_ns = now
             txn.save(node)
+            if {mode, uid, gid, mtime_ns} != {None}:
+                journal.on_attrs(self.meta, txn, self.persister, node)
             txn.commit()
+            self.persister.wake()
             return self.attr(node)
 
     # -- creating ---------------------------------------------------------------------
@@ -203,6 +217,39 @@ class VFS(FileOps):
             self._lookups[node.ino] = self._lookups.get(node.ino, 0) + 1
             self.persister.wake()
             return self.attr(node)
+
+    def symlink(self, parent: int, name: bytes, target: bytes, ctx: Ctx) -> Attr:
+        """A symbolic link: its target is data, journaled at creation (SYMLINK entry)."""
+        self._check_name(name)
+        if not target:
+            raise FsError(errno.ENOENT)
+        if len(target) >= PATH_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        self._child(parent, name)   # lists the parent once
+        with self.lock:
+            p = self._dir(parent)
+            if self.meta.child(parent, name) is not None:
+                raise FsError(errno.EEXIST)
+            txn = self.meta.txn()
+            now = _now()
+            node = self.meta.new_inode(txn, mode=st.S_IFLNK | 0o777, uid=ctx.uid, gid=ctx.gid,
+                                       size=len(target), atime_ns=now, mtime_ns=now, ctime_ns=now,
+                                       parent=parent, name=name, cached=True, target=target)
+            txn.link(parent, name, node.ino)
+            self._touch_dir(txn, p)
+            txn.append(op="symlink", path=self.meta.path_of(node.ino), ino=node.ino,
+                       target=target.decode("utf-8", "surrogateescape"))
+            txn.commit()
+            self._lookups[node.ino] = self._lookups.get(node.ino, 0) + 1
+            self.persister.wake()
+            return self.attr(node)
+
+    def readlink(self, ino: int, ctx: Ctx | None = None) -> bytes:
+        with self.lock:
+            node = self._node(ino)
+            if not st.S_ISLNK(node.mode):
+                raise FsError(errno.EINVAL)
+            return node.target
 
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx: Ctx) -> Attr:
         if not st.S_ISREG(mode):
@@ -389,7 +436,7 @@ class VFS(FileOps):
     def state(self, node: Inode) -> str:
         if node.dirty:
             return "dirty"
-        kinds = self.meta.entries_of(node.ino, "put", "mkdir")
+        kinds = self.meta.entries_of(node.ino, "put", "mkdir", "symlink", "attrs")
         kinds += self.meta.moves_of(node.ino)     # not under its current name until these land
         if any(e.seq in self.persister.failed for e in kinds):
             return "failed"

@@ -16,6 +16,11 @@ data that was never persisted elided:
     tmp-checkpoint-N -> checkpoint-N relies on the name appearing whole);
   * deleting cancels pending PUTs/MKDIRs; a DELETE/RMDIR is appended only when
     something may exist in the under-storage.  Nothing deleted comes back.
+  * a symbolic link is a SYMLINK entry, journaled at creation and treated like
+    a PUT by renames and deletes (moved or cancelled while it has not landed);
+  * changing only attributes (chmod, chown, utime) appends an ATTRS entry, unless
+    an entry of the same inode that has not started yet will carry them (entries
+    take the inode's attributes when they start): no re-upload, ever.
 
 All functions run under the MetaStore lock, inside one Txn.
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from acache.meta.store import Entry, Inode, MetaStore, Txn
+from acache.meta.store import ROOT_INO, Entry, Inode, MetaStore, Txn
 
 
 class Inflight(Protocol):
@@ -117,7 +122,7 @@ def on_delete(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode, path: 
         names = [path] + [e.path for e in meta.entries_of(node.ino, "rename")]
         used = any(p.startswith(n + "/") for e in meta.journal() if e.ino != node.ino
                    for p in (e.path, e.dst) if p for n in names)
-    for e in meta.entries_of(node.ino, "put", "mkdir"):
+    for e in meta.entries_of(node.ino, "put", "mkdir", "symlink", "attrs"):
         if inflight.state(e.seq) == "committing":
             committing = True
         elif e.op == "mkdir" and used:
@@ -145,7 +150,8 @@ def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
     entry landing at ``new`` is marked so that cancelling it deletes that object."""
     sub = _subtree(meta, node)
     inos = {n.ino for n in sub}
-    mine = sorted((e for i in inos for e in meta.entries_of(i, "put", "mkdir")), key=lambda e: e.seq)
+    mine = sorted((e for i in inos for e in meta.entries_of(i, "put", "mkdir", "symlink", "attrs")),
+                  key=lambda e: e.seq)
     remote = any(n.upath is not None for n in sub) \
         or any(inflight.state(e.seq) == "committing" for e in mine) \
         or any(meta.entries_of(i, "rename") for i in inos) \
@@ -157,12 +163,26 @@ def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
     # objects of replaced targets that moved entries were to land on stay at the old
     # names: remove them there (deepest first) before anything lands at the new ones
     for e in sorted((e for e in mine if e.replaces), key=lambda e: -meta.path_of(e.ino).count("/")):
-        txn.append(op="delete" if e.op == "put" else "rmdir", path=meta.path_of(e.ino), ino=e.ino)
+        txn.append(op="rmdir" if e.op == "mkdir" else "delete", path=meta.path_of(e.ino), ino=e.ino)
     for e in mine:
         _cancel(txn, inflight, e)
+        if e.op == "attrs":
+            continue     # the entry moved with it takes the attributes when it starts
         path = new + meta.path_of(e.ino)[len(old):]   # e.path may predate an ancestor's rename
         lands = path == new
         txn.append(op=e.op, path=path, ino=e.ino, gen=e.gen, size=e.size,
-                   replaces=lands and replaces_remote, hold=e.hold)
+                   replaces=lands and replaces_remote, hold=e.hold, target=e.target)
         moved = moved or lands
     return moved
+
+
+def on_attrs(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> Entry | None:
+    """Only the attributes of ``node`` changed (mode, owner, mtime)."""
+    if node.ino == ROOT_INO or node.dirty:     # the root is the operator's; a file being
+        return None                               # written lands with them at its close
+    own = meta.entries_of(node.ino, "put", "mkdir", "symlink", "attrs")
+    if any(inflight.state(e.seq) == "" for e in own):
+        return None      # it has not started: it takes the attributes when it does
+    if node.upath is None and not own:
+        return None      # nothing of it is (or is about to be) in the under-storage
+    return txn.append(op="attrs", path=meta.path_of(node.ino), ino=node.ino)

@@ -52,6 +52,7 @@ class Inode:
     upath: str | None = None  # where the under-storage holds its committed data
     listed: bool = False      # dirs: under-storage children merged in
     node: str = "local"       # placement: the worker holding the cache file
+    target: bytes = b""       # symbolic links: the target (data, never followed)
 
     @property
     def is_dir(self) -> bool:
@@ -70,7 +71,11 @@ class Entry:
     """One operation to apply to the under-storage, in seq order.
 
     op: put (ino/gen/size -> path), rename (path -> dst, inos whose upath moves),
-        delete (path), mkdir (path), rmdir (path)."""
+        delete (path), mkdir (path), rmdir (path), symlink (path -> target),
+        attrs (path: only the attributes of what is there changed).
+    put/mkdir/symlink/attrs land with the inode's attributes as they are when the
+    entry starts (recorded in ``attrs`` then), so attribute changes before that
+    collapse into it (journal.on_attrs)."""
     seq: int
     op: str
     path: str
@@ -85,6 +90,8 @@ class Entry:
                               # rename: cancelling it must delete that object (journal.py)
     hold: bool = False        # put of a file reopened for writing in place: it keeps its
                               # place but waits for the next close (journal.hold_put)
+    target: str = ""          # symlink: the link's target
+    attrs: list = field(default_factory=list)   # Attrs.pack() taken when it started
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self), use_bin_type=True, unicode_errors=_NAMES)

@@ -632,7 +632,7 @@ def test_s3_bytes_changed_in_flight_are_caught(s3backend, size):
 
     def flip(data: bytes) -> bytes:
         return bytes([data[0] ^ 1]) + data[1:]
-    store.wire.put = lambda key, data, md5: put(key, flip(data), md5)
+    store.wire.put = lambda key, data, md5, *meta: put(key, flip(data), md5, *meta)
     store.wire.upload_part = lambda key, uid, n, data, md5: part(key, uid, n, flip(data), md5)
     data = os.urandom(size)
     with pytest.raises(PermanentError, match="ETag"):

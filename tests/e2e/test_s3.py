@@ -339,7 +339,8 @@ def test_rename_persisted_file_and_directory(engine, srv, prefix, nodes):
     assert not [r for r in reqs if r[0] == "GET" and r[1] and not r[2]], reqs   # no download
     k = lambda rel: f"{prefix}/{rel}"
     assert ("PUT", k("g.bin")) in [(m, key) for m, key, *_ in reqs]
-    assert ("DELETE", k("f.bin")) in [(m, key) for m, key, *_ in reqs]
+    # the source goes by one DeleteObjects (with a link at the new name, which it replaces)
+    assert ("POST", "", "delete") in [(m, key, q.rstrip("=")) for m, key, q, *_ in reqs], reqs
     for rel in tree:
         assert ("PUT", k("e" + rel[1:])) in [(m, key) for m, key, *_ in reqs], rel
     assert srv.client().stat_object(srv.bucket, k("e/sub/")) is not None   # the marker moved

@@ -16,6 +16,13 @@ CompleteMultipartUpload); ``abort()`` throws them away.  ``Staged.token`` is
 a short string the persister records durably *before* staging starts
 (``new_token``) so that after a crash ``cleanup(token)`` removes what a
 half-done stage left behind (temp files, open multipart uploads).
+
+Attributes (``Attrs``: permission bits, owner, mtime in ns) travel with every
+object that creates something (stage, symlink, mkdir) and alone with
+``set_attrs``; listings and stat give them back in ``UEntry`` (0 / -1 where the
+store does not know them: objects written by other tools).  Symbolic links
+are data: ``symlink(path, target)`` stores the target, listings show the entry
+as a link (``UEntry.link``); no store ever follows one.
 """
 from __future__ import annotations
 
@@ -35,11 +42,46 @@ def rename_needed(src: str, dst: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Attrs:
+    """What a store keeps of a file's attributes.  0 / -1 mean "leave as is / unknown"."""
+    mode: int = 0          # permission bits (0o7777); 0: unknown
+    uid: int = -1
+    gid: int = -1
+    mtime_ns: int = 0      # 0: unknown
+
+    def pack(self) -> list:
+        return [self.mode, self.uid, self.gid, self.mtime_ns]
+
+    @classmethod
+    def unpack(cls, raw) -> "Attrs | None":
+        return cls(*raw) if raw else None
+
+
+@dataclass(frozen=True)
 class UEntry:
     name: str          # last path component
     is_dir: bool
     size: int = 0
     mtime: float = 0.0  # seconds since the epoch
+    mode: int = 0      # permission bits; 0: unknown (written by another tool)
+    uid: int = -1      # -1: unknown
+    gid: int = -1
+    mtime_ns: int = 0  # 0: unknown (use mtime)
+    link: str | None = None   # a symbolic link: its target (size = its length in bytes)
+
+
+NAME_MAX = 255
+
+
+def bad_name(name: str) -> str | None:
+    """Why a listed name cannot be shown in the mount (None: it can)."""
+    if name in ("", ".", ".."):
+        return "a '.', '..' or empty name"
+    if "/" in name or "\0" in name:
+        return "a name containing '/' or NUL"
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        return f"a name longer than {NAME_MAX} bytes"
+    return None
 
 
 class Staged(Protocol):
@@ -72,8 +114,17 @@ class UnderStore(Protocol):
         """A fresh token for a stage of ``path``; record it before ``stage``."""
 
     def stage(self, path: str, token: str, src_path: str, size: int,
-              progress: Callable[[int], None] | None = None) -> Staged:
-        """Upload ``size`` bytes of the local file ``src_path``, not yet visible."""
+              progress: Callable[[int], None] | None = None,
+              attrs: Attrs | None = None) -> Staged:
+        """Upload ``size`` bytes of the local file ``src_path``, not yet visible;
+        ``attrs`` land with it at commit."""
+
+    def symlink(self, path: str, target: str, attrs: Attrs | None = None) -> None:
+        """Make ``path`` a symbolic link to ``target`` (replacing a file or link there)."""
+
+    def set_attrs(self, path: str, attrs: Attrs) -> None:
+        """Change only the attributes of a file, directory or link (never its data).
+        A missing path is not an error (deleted behind our back: nothing to change)."""
 
     def cleanup(self, token: str) -> None:
         """Remove whatever a stage with this token left behind (idempotent)."""
@@ -84,8 +135,8 @@ class UnderStore(Protocol):
     def delete(self, path: str) -> None:
         """Delete a file (missing is fine)."""
 
-    def mkdir(self, path: str) -> None:
-        """Make a directory and its parents (S3: nothing, or a marker)."""
+    def mkdir(self, path: str, attrs: Attrs | None = None) -> None:
+        """Make a directory and its parents (S3: a marker); ``attrs`` apply to ``path``."""
 
     def rmdir(self, path: str) -> None:
         """Remove an empty directory (missing is fine)."""

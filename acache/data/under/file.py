@@ -18,6 +18,19 @@ The token *is* the temp file's store path (``<dir>/.acache-tmp.<uuid>``), so
 recorded.  Names starting with ``.acache-tmp.`` are reserved: listings and
 stat hide them.
 
+Links are never followed.  Every path is resolved beneath the root without
+following a symbolic link in any component (openat2 with RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS, or a walk of O_NOFOLLOW directory descriptors where the
+kernel lacks openat2), and the last component is handled with *at() calls that
+do not follow it either: a link planted in the under-storage is listed as a
+link, and a path through one is refused (PermanentError, ELOOP).  Only the
+configured root itself may be a link (the operator chose it).  Symbolic links
+written through the mount are created at a hidden temp name and renamed into
+place.  Attributes (mode, owner, mtime) are the files' own: set on the temp file
+before the commit rename, on a directory after mkdir, with lchown/utime
+(never following) on a link.  A daemon that may not chown keeps the owner it
+has (one warning).
+
 OSErrors leave as PermanentError when retrying cannot help until someone acts
 (EACCES, EPERM, EROFS, ENOSPC, EDQUOT and the namespace conflicts ENOTDIR,
 EISDIR, ENOTEMPTY, EEXIST...), TransientError otherwise (EIO, ESTALE, ...).
@@ -26,7 +39,9 @@ with errno ENOENT), in every store.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
+import logging
 from errno import ENOENT
 import os
 import stat as _stat
@@ -35,9 +50,10 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 from urllib.parse import unquote, urlsplit
 
-from acache.data.under.base import UEntry, rename_needed
+from acache.data.under.base import Attrs, UEntry, bad_name, rename_needed
 from acache.errors import ConfigError, PermanentError, TransientError, UnderStoreError
 
+log = logging.getLogger("acache.under.file")
 TMP_PREFIX = ".acache-tmp."
 CHUNK = 4 << 20  # bytes copied per call (and per progress report)
 
@@ -85,15 +101,93 @@ def os_error(e: OSError, what: str) -> UnderStoreError:
     """The one OSError -> UnderStoreError table of this module."""
     name = errno.errorcode.get(e.errno or 0, str(e.errno))
     msg = f"{what}: [{name}] {e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    if e.errno == errno.ELOOP:
+        msg += " (a symbolic link in the under-storage path: acache never follows links there)"
     return PermanentError(msg) if e.errno in _PERMANENT_ERRNOS else TransientError(msg)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+# openat2(2) (Linux >= 5.6): one call resolves a whole path beneath a directory
+_SYS_OPENAT2 = 437               # the same number on x86_64 and the generic table (arm64)
+_RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x04, 0x08
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC   # a FIFO must not block
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]
+
+
+_openat2_works = [True]   # False once the kernel said ENOSYS: walk instead
+
+
+def _open_at(dirfd: int, name: str, flags: int) -> int:
+    """openat(2) of one component, never following it: a link there is ELOOP (O_DIRECTORY
+    alone would call it ENOTDIR, the same as a file)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return os.open(name, flags | os.O_NOFOLLOW, dir_fd=dirfd)
+    except NotADirectoryError:
+        try:
+            link = _stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode)
+        except OSError:
+            link = False
+        if link:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), name) from None
+        raise
+
+
+def open_beneath(dirfd: int, rel: str, flags: int = _DIR) -> int:
+    """Open ``rel`` beneath ``dirfd`` without following a link in any component."""
+    if _openat2_works[0]:
+        how = _OpenHow(flags, 0, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS)
+        fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_long(dirfd),
+                           ctypes.c_char_p(os.fsencode(rel)), ctypes.byref(how),
+                           ctypes.c_size_t(ctypes.sizeof(how)))
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EPERM, errno.ENOTDIR):
+            raise OSError(err, os.strerror(err), rel)    # EPERM: a seccomp filter refusing it
+        if err != errno.ENOTDIR:                         # ENOTDIR: a file, or a link at the
+            _openat2_works[0] = False                    # end: the walk tells which
+    parts = rel.split("/")
+    cur = os.dup(dirfd)
+    try:
+        for i, part in enumerate(parts):
+            nxt = _open_at(cur, part, flags if i == len(parts) - 1 else _DIR)
+            os.close(cur)
+            cur = nxt
+        return cur
+    except BaseException:
+        os.close(cur)
+        raise
+
+
+def _set_fd_attrs(fd: int, attrs: Attrs | None, what: str) -> None:
+    """Apply ``attrs`` to an open file or directory (owner first: chown clears setuid)."""
+    if attrs is None:
+        return
+    if attrs.uid >= 0 or attrs.gid >= 0:
+        try:
+            os.fchown(fd, attrs.uid, attrs.gid)
+        except PermissionError:
+            _warn_chown(what)
+    if attrs.mode:
+        os.fchmod(fd, attrs.mode & 0o7777)
+    if attrs.mtime_ns:
+        os.utime(fd, ns=(attrs.mtime_ns, attrs.mtime_ns))
+
+
+_chown_warned = [False]
+
+
+def _warn_chown(what: str) -> None:
+    if not _chown_warned[0]:
+        _chown_warned[0] = True
+        log.warning("file:// cannot set the owner of %s (the daemon is not root?): owners are "
+                    "not persisted", what)
 
 
 def copy_range(src_fd: int, dst_fd: int, size: int,
@@ -159,24 +253,62 @@ class FileStore:
         except OSError as e:
             raise os_error(e, f"file://{self.root} {op} {path!r}") from e
 
-    def _makedirs(self, path: str) -> None:
-        """Create root/path and its parents; fsync the parent of each one created."""
-        full = self._abs(path)
-        if os.path.isdir(full):
-            return
-        cur = self.root
-        os.makedirs(cur, exist_ok=True)
-        for part in path.split("/") if path else ():
-            nxt = os.path.join(cur, part)
-            try:
-                os.mkdir(nxt)
-            except FileExistsError:
-                if not os.path.isdir(nxt):
-                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", nxt) from None
-            # fsync also when another thread won the race: its entry must be durable
-            # before anything we put below it claims to be.
-            _fsync_dir(cur)
-            cur = nxt
+    def _open_dir(self, path: str) -> int | None:
+        """A descriptor of the directory root/path (None if it is missing); no link is
+        followed on the way (ELOOP)."""
+        root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if not path:
+            return root
+        try:
+            return open_beneath(root, path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        finally:
+            os.close(root)
+
+    @contextmanager
+    def _parent(self, path: str):
+        """(descriptor of the parent directory or None if missing, last component)."""
+        fd = self._open_dir(parent_of(path))
+        try:
+            yield fd, name_of(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _makedirs(self, path: str) -> int:
+        """Create root/path and its parents (never through a link); fsync the parent of
+        each one created.  Returns a descriptor of root/path."""
+        fd = self._open_dir(path)
+        if fd is not None:
+            return fd
+        os.makedirs(self.root, exist_ok=True)
+        cur = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in path.split("/") if path else ():
+                try:
+                    os.mkdir(part, 0o755, dir_fd=cur)
+                except FileExistsError:
+                    pass
+                # fsync also when another thread won the race: its entry must be durable
+                # before anything we put below it claims to be.
+                os.fsync(cur)
+                nxt = _open_at(cur, part, _DIR)
+                os.close(cur)
+                cur = nxt
+            return cur
+        except BaseException:
+            os.close(cur)
+            raise
+
+    @staticmethod
+    def _lstat(dfd: int | None, name: str) -> os.stat_result | None:
+        if dfd is None:
+            return None
+        try:
+            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def _token_path(self, token: str) -> str:
         clean_path(token, "token")
@@ -187,16 +319,21 @@ class FileStore:
 
     # -- UnderStore --------------------------------------------------------
     def check(self) -> None:
-        probe = os.path.join(self.root, f"{TMP_PREFIX}check-{uuid.uuid4().hex}")
+        probe = f"{TMP_PREFIX}check-{uuid.uuid4().hex}"
         try:
             os.makedirs(self.root, exist_ok=True)
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
-                os.write(fd, b"acache")
-                os.fsync(fd)
+                fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=root)
+                try:
+                    os.write(fd, b"acache")
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.unlink(probe, dir_fd=root)
             finally:
-                os.close(fd)
-            os.unlink(probe)
+                os.close(root)
         except OSError as e:
             raise PermanentError(
                 f"file:// under-storage {self.root} is not usable: cannot create or write "
@@ -206,30 +343,41 @@ class FileStore:
         clean_path(path)
         out = []
         with self._errors("list", path):
-            try:
-                it = os.scandir(self._abs(path))
-            except (FileNotFoundError, NotADirectoryError):
+            fd = self._open_dir(path)
+            if fd is None:
                 return iter(())
-            with it:
-                for e in it:
-                    if e.name.startswith(TMP_PREFIX):
-                        continue
-                    try:
-                        st = e.stat()
-                    except (FileNotFoundError, NotADirectoryError):
-                        continue  # raced with a delete, or a dangling symlink
-                    ent = self._entry(e.name, st)
-                    if ent is not None:
-                        out.append(ent)
+            try:
+                with os.scandir(fd) as it:
+                    for e in it:
+                        if e.name.startswith(TMP_PREFIX):
+                            continue
+                        why = bad_name(e.name)
+                        if why is not None:
+                            log.warning("file://%s: skipping %r in %r: %s", self.root, e.name,
+                                        path, why)
+                            continue
+                        try:
+                            ent = self._entry(e.name, e.stat(follow_symlinks=False), fd)
+                        except (FileNotFoundError, NotADirectoryError):
+                            continue  # raced with a delete
+                        if ent is not None:
+                            out.append(ent)
+            finally:
+                os.close(fd)
         out.sort(key=lambda u: u.name)
         return iter(out)
 
     @staticmethod
-    def _entry(name: str, st: os.stat_result) -> UEntry | None:
+    def _entry(name: str, st: os.stat_result, dfd: int) -> UEntry | None:
+        kw = dict(mode=_stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
+                  mtime_ns=st.st_mtime_ns)
         if _stat.S_ISDIR(st.st_mode):
-            return UEntry(name, True, 0, st.st_mtime)
+            return UEntry(name, True, 0, st.st_mtime, **kw)
         if _stat.S_ISREG(st.st_mode):
-            return UEntry(name, False, st.st_size, st.st_mtime)
+            return UEntry(name, False, st.st_size, st.st_mtime, **kw)
+        if _stat.S_ISLNK(st.st_mode):
+            target = os.readlink(name, dir_fd=dfd)
+            return UEntry(name, False, len(os.fsencode(target)), st.st_mtime, **kw, link=target)
         return None  # fifos, sockets, devices: not checkpoint data
 
     def stat(self, path: str) -> UEntry | None:
@@ -237,28 +385,35 @@ class FileStore:
         if name_of(path).startswith(TMP_PREFIX):
             return None
         with self._errors("stat", path):
-            try:
-                st = os.stat(self._abs(path))
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-        return self._entry(name_of(path), st)
+            if not path:
+                return UEntry("", True, 0, os.stat(self.root).st_mtime)
+            with self._parent(path) as (dfd, name):
+                st = self._lstat(dfd, name)
+                if st is None:
+                    return None
+                try:
+                    return self._entry(name, st, dfd)
+                except FileNotFoundError:
+                    return None
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         clean_path(path)
         if length <= 0:
             return b""
         with self._errors("read", path):
+            with self._parent(path) as (dfd, name):
+                try:
+                    if dfd is None or not path:
+                        raise FileNotFoundError
+                    fd = os.open(name, _FILE, dir_fd=dfd)
+                except (FileNotFoundError, NotADirectoryError):
+                    raise NotFoundError(f"file://{self.root}: no file {path!r}") from None
             try:
-                fd = os.open(self._abs(path), os.O_RDONLY | os.O_CLOEXEC)
-            except (FileNotFoundError, NotADirectoryError):
-                raise NotFoundError(f"file://{self.root}: no file {path!r}") from None
-            try:
+                if not _stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise NotFoundError(f"file://{self.root}: {path!r} is not a regular file")
                 chunks, got = [], 0
                 while got < length:
-                    try:
-                        buf = os.pread(fd, length - got, offset + got)
-                    except IsADirectoryError:
-                        raise NotFoundError(f"file://{self.root}: {path!r} is a directory") from None
+                    buf = os.pread(fd, length - got, offset + got)
                     if not buf:
                         break
                     chunks.append(buf)
@@ -274,22 +429,27 @@ class FileStore:
         return f"{d}/{name}" if d else name
 
     def stage(self, path: str, token: str, src_path: str, size: int,
-              progress: Callable[[int], None] | None = None) -> "FileStaged":
+              progress: Callable[[int], None] | None = None,
+              attrs: Attrs | None = None) -> "FileStaged":
         clean_path(path)
         if not path:
             raise PermanentError("cannot stage onto the root directory")
         tmp = self._token_path(token)
-        tmp_abs = self._abs(tmp)
-        ok = False
+        tname = name_of(tmp)
         with self._errors("stage", path):
+            dfd = self._makedirs(parent_of(tmp))
+            ok = False
             try:
-                self._makedirs(parent_of(tmp))
                 src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    dst = os.open(tmp_abs, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                                  0o644)
+                    # private while it fills: a 0600 file is never readable on the way
+                    dst = os.open(tname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                                  | os.O_CLOEXEC, 0o600, dir_fd=dfd)
                     try:
                         copy_range(src, dst, size, progress)
+                        if attrs is None or not attrs.mode:
+                            os.fchmod(dst, 0o644)
+                        _set_fd_attrs(dst, attrs, path)
                         os.fsync(dst)
                         ino = os.fstat(dst).st_ino
                     finally:
@@ -300,78 +460,159 @@ class FileStore:
             finally:
                 if not ok:
                     try:
-                        os.unlink(tmp_abs)
+                        os.unlink(tname, dir_fd=dfd)
                     except OSError:
                         pass
+                os.close(dfd)
         return FileStaged(self, token, tmp, path, ino)
 
     def cleanup(self, token: str) -> None:
         tmp = self._token_path(token)
         with self._errors("cleanup", tmp):
-            try:
-                os.unlink(self._abs(tmp))
-            except (FileNotFoundError, NotADirectoryError):
-                pass
+            with self._parent(tmp) as (dfd, name):
+                if dfd is None:
+                    return
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
 
     def rename(self, src: str, dst: str) -> None:
         clean_path(src)
         clean_path(dst)
         if not rename_needed(src, dst):
             return
-        a, b = self._abs(src), self._abs(dst)
-        with self._errors("rename", f"{src} -> {dst}"):
-            if not os.path.lexists(a):
-                if os.path.lexists(b):  # done before (a retry after a crash)
-                    _fsync_dir(os.path.dirname(b))
-                    return
+        with self._errors("rename", f"{src} -> {dst}"), self._parent(src) as (sfd, sname):
+            if self._lstat(sfd, sname) is None:
+                with self._parent(dst) as (dfd, dname):
+                    if self._lstat(dfd, dname) is not None:  # done before (a retry after a crash)
+                        os.fsync(dfd)
+                        return
                 raise PermanentError(
                     f"file://{self.root} rename {src!r} -> {dst!r}: neither exists")
-            self._makedirs(parent_of(dst))
-            os.rename(a, b)
-            _fsync_dir(os.path.dirname(b))
-            if os.path.dirname(a) != os.path.dirname(b):
-                _fsync_dir(os.path.dirname(a))
+            dfd = self._makedirs(parent_of(dst))
+            try:
+                os.rename(sname, name_of(dst), src_dir_fd=sfd, dst_dir_fd=dfd)
+                os.fsync(dfd)
+                if parent_of(src) != parent_of(dst):
+                    os.fsync(sfd)
+            finally:
+                os.close(dfd)
 
     def delete(self, path: str) -> None:
         clean_path(path)
         if not path:
             raise PermanentError("cannot delete the root directory")
-        with self._errors("delete", path):
+        with self._errors("delete", path), self._parent(path) as (dfd, name):
+            if dfd is None:
+                return
             try:
-                os.unlink(self._abs(path))
+                os.unlink(name, dir_fd=dfd)
             except (FileNotFoundError, NotADirectoryError):
                 return
-            _fsync_dir(os.path.dirname(self._abs(path)))
+            os.fsync(dfd)
 
-    def mkdir(self, path: str) -> None:
+    def mkdir(self, path: str, attrs: Attrs | None = None) -> None:
         clean_path(path)
         with self._errors("mkdir", path):
-            self._makedirs(path)
+            fd = self._makedirs(path)
+            try:
+                if path and attrs is not None:
+                    _set_fd_attrs(fd, attrs, path)
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def symlink(self, path: str, target: str, attrs: Attrs | None = None) -> None:
+        clean_path(path)
+        if not path:
+            raise PermanentError("cannot make the root directory a symbolic link")
+        if not target or "\0" in target:
+            raise PermanentError(f"file:// symlink {path!r}: invalid target {target!r}")
+        tmp = TMP_PREFIX + uuid.uuid4().hex
+        with self._errors("symlink", path):
+            dfd = self._makedirs(parent_of(path))
+            try:
+                os.symlink(target, tmp, dir_fd=dfd)
+                try:
+                    self._link_attrs(dfd, tmp, attrs, path)
+                    os.rename(tmp, name_of(path), src_dir_fd=dfd, dst_dir_fd=dfd)
+                except BaseException:
+                    try:
+                        os.unlink(tmp, dir_fd=dfd)
+                    except OSError:
+                        pass
+                    raise
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    @staticmethod
+    def _link_attrs(dfd: int, name: str, attrs: Attrs | None, what: str) -> None:
+        """Owner and mtime of a link itself (a link's mode cannot be changed on Linux)."""
+        if attrs is None:
+            return
+        if attrs.uid >= 0 or attrs.gid >= 0:
+            try:
+                os.chown(name, attrs.uid, attrs.gid, dir_fd=dfd, follow_symlinks=False)
+            except PermissionError:
+                _warn_chown(what)
+        if attrs.mtime_ns:
+            os.utime(name, ns=(attrs.mtime_ns, attrs.mtime_ns), dir_fd=dfd,
+                     follow_symlinks=False)
+
+    def set_attrs(self, path: str, attrs: Attrs) -> None:
+        clean_path(path)
+        if not path:
+            return   # the root's attributes belong to the operator
+        with self._errors("set_attrs", path), self._parent(path) as (dfd, name):
+            st = self._lstat(dfd, name)
+            if st is None:
+                log.info("file://%s: %r is gone: its attributes cannot be set", self.root, path)
+                return
+            if _stat.S_ISLNK(st.st_mode):
+                self._link_attrs(dfd, name, attrs, path)
+                os.fsync(dfd)
+                return
+            try:
+                fd = os.open(name, _FILE, dir_fd=dfd)
+            except FileNotFoundError:
+                return
+            try:
+                _set_fd_attrs(fd, attrs, path)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def rmdir(self, path: str) -> None:
         clean_path(path)
         if not path:
             raise PermanentError("cannot remove the root directory")
-        full = self._abs(path)
-        with self._errors("rmdir", path):
+        with self._errors("rmdir", path), self._parent(path) as (dfd, name):
+            if dfd is None:
+                return
             try:
-                os.rmdir(full)
-            except (FileNotFoundError,):
+                os.rmdir(name, dir_fd=dfd)
+            except FileNotFoundError:
                 return
             except OSError as e:
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
                 # Leftovers of stages whose file was since deleted do not keep it alive.
-                names = os.listdir(full)
-                if any(not n.startswith(TMP_PREFIX) for n in names):
-                    raise
-                for n in names:
-                    try:
-                        os.unlink(os.path.join(full, n))
-                    except FileNotFoundError:
-                        pass
-                os.rmdir(full)
-            _fsync_dir(os.path.dirname(full))
+                fd = _open_at(dfd, name, _DIR)
+                try:
+                    names = os.listdir(fd)
+                    if any(not n.startswith(TMP_PREFIX) for n in names):
+                        raise
+                    for n in names:
+                        try:
+                            os.unlink(n, dir_fd=fd)
+                        except FileNotFoundError:
+                            pass
+                finally:
+                    os.close(fd)
+                os.rmdir(name, dir_fd=dfd)
+            os.fsync(dfd)
 
     def close(self) -> None:
         pass
@@ -392,26 +633,28 @@ class FileStaged:
 
     def commit(self) -> None:
         st = self._store
-        tmp_abs, final_abs = st._abs(self._tmp), st._abs(self.path)
-        with st._errors("commit", self.path):
-            st._makedirs(parent_of(self.path))
+        with st._errors("commit", self.path), st._parent(self._tmp) as (tfd, tname):
+            dfd = st._makedirs(parent_of(self.path))
             try:
-                os.rename(tmp_abs, final_abs)
-            except FileNotFoundError:
-                if os.path.lexists(tmp_abs):
-                    raise
                 try:
-                    committed = os.stat(final_abs).st_ino == self._ino
+                    if tfd is None:
+                        raise FileNotFoundError
+                    os.rename(tname, name_of(self.path), src_dir_fd=tfd, dst_dir_fd=dfd)
                 except FileNotFoundError:
-                    committed = False
-                if not committed:  # transient: the persister's retry stages again
-                    raise TransientError(
-                        f"file://{st.root} commit {self.path!r}: the staged temp file "
-                        f"{self._tmp!r} is gone; stage again") from None
-                # else: committed before (a retry after a crash); make it durable
-            _fsync_dir(os.path.dirname(final_abs))
-            if os.path.dirname(tmp_abs) != os.path.dirname(final_abs):
-                _fsync_dir(os.path.dirname(tmp_abs))
+                    if st._lstat(tfd, tname) is not None:
+                        raise
+                    final = st._lstat(dfd, name_of(self.path))
+                    if final is None or final.st_ino != self._ino:
+                        # transient: the persister's retry stages again
+                        raise TransientError(
+                            f"file://{st.root} commit {self.path!r}: the staged temp file "
+                            f"{self._tmp!r} is gone; stage again") from None
+                    # else: committed before (a retry after a crash); make it durable
+                os.fsync(dfd)
+                if tfd is not None and parent_of(self._tmp) != parent_of(self.path):
+                    os.fsync(tfd)
+            finally:
+                os.close(dfd)
 
     def abort(self) -> None:
         self._store.cleanup(self.token)

@@ -18,7 +18,10 @@ Test knobs (all plain attributes, safe to change at any time):
     calls      list of (op, path) of every call made, failed ones included
 
 ``op`` is one of: check list_dir stat read stage commit abort cleanup rename
-delete mkdir rmdir.
+delete mkdir rmdir symlink set_attrs.
+
+A symbolic link is a file whose data is its target, its path in ``state.links``;
+attributes given by the caller sit in ``state.attrs`` (path -> Attrs).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import time
 import uuid
 from typing import Callable, Iterator
 
-from acache.data.under.base import UEntry, rename_needed
+from acache.data.under.base import Attrs, UEntry, rename_needed
 from acache.data.under.file import CHUNK, NotFoundError, clean_path, name_of
 from acache.errors import ConfigError, PermanentError, TransientError
 
@@ -40,6 +43,32 @@ class MemState:
         self.files: dict[str, tuple[bytes, float]] = {}   # path -> (data, mtime)
         self.dirs: dict[str, float] = {}                  # explicit dirs -> mtime
         self.staged: dict[str, tuple[str, bytes]] = {}    # token -> (path, data)
+        self.staged_attrs: dict[str, Attrs] = {}          # token -> attrs given to stage
+        self.links: set[str] = set()                      # files that are symbolic links
+        self.attrs: dict[str, Attrs] = {}                 # path -> attrs (files, dirs, links)
+
+    def entry(self, path: str, name: str, is_dir: bool) -> UEntry:
+        """The UEntry of an existing file, link or directory (call with the lock held)."""
+        a = self.attrs.get(path) or Attrs()
+        kw = dict(mode=a.mode, uid=a.uid, gid=a.gid, mtime_ns=a.mtime_ns)
+        if is_dir:
+            return UEntry(name, True, 0, self.dirs.get(path, 0.0), **kw)
+        data, mtime = self.files[path]
+        link = data.decode("utf-8", "surrogateescape") if path in self.links else None
+        return UEntry(name, False, len(data), mtime, link=link, **kw)
+
+    def move_meta(self, src: str, dst: str) -> None:
+        """Links and attrs at or under ``src`` move to ``dst`` (call with the lock held)."""
+        pre = src + "/"
+        for p in [p for p in self.links if p == src or p.startswith(pre)]:
+            self.links.discard(p)
+            self.links.add(dst + p[len(src):])
+        for p in [p for p in self.attrs if p == src or p.startswith(pre)]:
+            self.attrs[dst + p[len(src):]] = self.attrs.pop(p)
+
+    def drop_meta(self, path: str) -> None:
+        self.links.discard(path)
+        self.attrs.pop(path, None)
 
     # -- queries (call with the lock held) ---------------------------------
     def is_dir(self, path: str) -> bool:
@@ -136,18 +165,18 @@ class MemStore:
         with st.lock:
             if path in st.files:
                 return iter(())
-            for p, (data, mtime) in st.files.items():
+            for p in st.files:
                 if p.startswith(pre):
                     rest = p[len(pre):]
                     if "/" in rest:
                         name = rest.partition("/")[0]
-                        out.setdefault(name, UEntry(name, True, 0, st.dirs.get(pre + name, 0.0)))
+                        out.setdefault(name, st.entry(pre + name, name, True))
                     else:
-                        out[rest] = UEntry(rest, False, len(data), mtime)
+                        out[rest] = st.entry(p, rest, False)
             for d, mtime in st.dirs.items():
                 if d.startswith(pre) and d != path:
                     name = d[len(pre):].partition("/")[0]
-                    out.setdefault(name, UEntry(name, True, 0, st.dirs.get(pre + name, mtime)))
+                    out.setdefault(name, st.entry(pre + name, name, True))
         return iter(sorted(out.values(), key=lambda u: u.name))
 
     def stat(self, path: str) -> UEntry | None:
@@ -156,17 +185,16 @@ class MemStore:
         st = self.state
         with st.lock:
             if path in st.files:
-                data, mtime = st.files[path]
-                return UEntry(name_of(path), False, len(data), mtime)
+                return st.entry(path, name_of(path), False)
             if st.is_dir(path):
-                return UEntry(name_of(path), True, 0, st.dirs.get(path, 0.0))
+                return st.entry(path, name_of(path), True)
         return None
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         clean_path(path)
         self._enter("read", path)
         with self.state.lock:
-            ent = self.state.files.get(path)
+            ent = self.state.files.get(path) if path not in self.state.links else None
         if ent is None:
             raise NotFoundError(f"mem:// no file {path!r}")
         return ent[0][offset:offset + max(length, 0)]
@@ -176,7 +204,8 @@ class MemStore:
         return f"{uuid.uuid4().hex}\n{path}"
 
     def stage(self, path: str, token: str, src_path: str, size: int,
-              progress: Callable[[int], None] | None = None) -> "MemStaged":
+              progress: Callable[[int], None] | None = None,
+              attrs: Attrs | None = None) -> "MemStaged":
         clean_path(path)
         if not path:
             raise PermanentError("cannot stage onto the root directory")
@@ -195,12 +224,15 @@ class MemStore:
                 progress(min(CHUNK, size - off))
         with self.state.lock:
             self.state.staged[token] = (path, data)
+            if attrs is not None:
+                self.state.staged_attrs[token] = attrs
         return MemStaged(self, token, path)
 
     def cleanup(self, token: str) -> None:
         self._enter("cleanup", token)
         with self.state.lock:
             self.state.staged.pop(token, None)
+            self.state.staged_attrs.pop(token, None)
 
     def rename(self, src: str, dst: str) -> None:
         clean_path(src)
@@ -216,6 +248,8 @@ class MemStore:
                     raise PermanentError(f"mem:// {what}: {dst!r} is a directory")
                 st.add_parents(dst, what)
                 st.files[dst] = st.files.pop(src)
+                st.drop_meta(dst)
+                st.move_meta(src, dst)
                 return
             if not st.is_dir(src):
                 if dst in st.files or st.is_dir(dst):
@@ -232,6 +266,7 @@ class MemStore:
             for d in [d for d in st.dirs if d.startswith(pre)]:
                 st.dirs[npre + d[len(pre):]] = st.dirs.pop(d)
             st.dirs[dst] = st.dirs.pop(src, time.time())
+            st.move_meta(src, dst)
 
     def delete(self, path: str) -> None:
         clean_path(path)
@@ -240,8 +275,9 @@ class MemStore:
         with st.lock:
             if st.files.pop(path, None) is None and path and st.is_dir(path):
                 raise PermanentError(f"mem:// delete {path!r}: it is a directory")
+            st.drop_meta(path)
 
-    def mkdir(self, path: str) -> None:
+    def mkdir(self, path: str, attrs: Attrs | None = None) -> None:
         clean_path(path)
         self._enter("mkdir", path)
         if not path:
@@ -249,6 +285,32 @@ class MemStore:
         st = self.state
         with st.lock:
             st.add_parents(path + "/x", f"mkdir {path!r}")
+            if attrs is not None:
+                st.attrs[path] = attrs
+
+    def symlink(self, path: str, target: str, attrs: Attrs | None = None) -> None:
+        clean_path(path)
+        self._enter("symlink", path)
+        if not path or not target:
+            raise PermanentError(f"mem:// symlink {path!r} -> {target!r}: invalid")
+        st = self.state
+        with st.lock:
+            if path not in st.files and st.is_dir(path):
+                raise PermanentError(f"mem:// symlink {path!r}: it is a directory")
+            st.add_parents(path, f"symlink {path!r}")
+            st.files[path] = (target.encode("utf-8", "surrogateescape"), time.time())
+            st.links.add(path)
+            st.attrs.pop(path, None)
+            if attrs is not None:
+                st.attrs[path] = attrs
+
+    def set_attrs(self, path: str, attrs: Attrs) -> None:
+        clean_path(path)
+        self._enter("set_attrs", path)
+        st = self.state
+        with st.lock:
+            if path and (path in st.files or st.is_dir(path)):
+                st.attrs[path] = attrs
 
     def rmdir(self, path: str) -> None:
         clean_path(path)
@@ -262,6 +324,7 @@ class MemStore:
             if st.has_children(path):
                 raise PermanentError(f"mem:// rmdir {path!r}: directory not empty")
             st.dirs.pop(path, None)
+            st.drop_meta(path)
 
     def close(self) -> None:
         pass
@@ -292,6 +355,10 @@ class MemStaged:
                 raise PermanentError(f"mem:// commit {path!r}: it is a directory")
             st.add_parents(path, f"commit {path!r}")
             st.files[path] = (data, time.time())
+            st.drop_meta(path)
+            attrs = st.staged_attrs.pop(self.token, None)
+            if attrs is not None:
+                st.attrs[path] = attrs
             del st.staged[self.token]
             self._committed = True
 
@@ -300,3 +367,4 @@ class MemStaged:
         s._enter("abort", self.path)
         with s.state.lock:
             s.state.staged.pop(self.token, None)
+            s.state.staged_attrs.pop(self.token, None)

@@ -27,8 +27,13 @@ the AWS variable shown; explicit keyword > ACACHE_S3_* > AWS_*):
     verify_tls     default true; SSL_CERT_FILE names a CA bundle
     connect_timeout, read_timeout   seconds (default 5 and 60)
 
+Attributes, symbolic links and what listings show: see s3meta.py (s3fs-fuse's
+``x-amz-meta-mode/uid/gid/mtime``; rclone's ``NAME.rclonelink``).  ``set_attrs`` is
+a CopyObject of the object onto itself with the metadata replaced: no re-upload.
+
 Directories: ``mkdir`` writes a zero-byte marker object ``<dir>/`` for the
 directory and each parent (so empty directories survive, as on POSIX);
+(a parent's existing marker is left as it is: it may hold attributes);
 ``rmdir`` deletes the marker, and fails if the directory still has entries.
 Directories implied by deeper keys and markers written by other tools are
 listed as directories.  A name that is both a file and a prefix lists as the
@@ -72,6 +77,7 @@ import base64
 import hashlib
 import os
 import ssl
+import stat as _stat
 import threading
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -89,13 +95,16 @@ from minio.error import InvalidResponseError, S3Error, ServerError
 from minio.helpers import MAX_PART_SIZE, check_bucket_name
 
 from acache.config import parse_size
-from acache.data.under.base import UEntry, rename_needed
+from acache.data.under import s3meta
+from acache.data.under.base import Attrs, UEntry, rename_needed
 from acache.data.under.file import NotFoundError, clean_path, name_of, os_error
+from acache.data.under.s3meta import LINK_SUFFIX, attrs_headers, parse_attrs
 from acache.errors import ConfigError, PermanentError, TransientError, UnderStoreError
 
 MiB = 1 << 20
 MIN_PART = 5 * MiB
 MAX_PARTS = 10_000
+MAX_KEY = 1024           # bytes of an S3 key
 
 # -- the error table -------------------------------------------------------------
 _HINTS = {
@@ -237,16 +246,16 @@ class _Wire:
     def __init__(self, client: Minio, bucket: str):
         self.c, self.b = client, bucket
 
-    def put(self, key: str, data: bytes, md5_b64: str | None) -> str:
-        headers = {"Content-Type": "application/octet-stream"}
+    def put(self, key: str, data: bytes, md5_b64: str | None, meta: dict | None = None) -> str:
+        headers = {"Content-Type": "application/octet-stream", **(meta or {})}
         if md5_b64:
             headers["Content-MD5"] = md5_b64
         res = self.c._put_object(self.b, key, data, headers)
         return res.etag or ""
 
-    def create_upload(self, key: str) -> str:
+    def create_upload(self, key: str, meta: dict | None = None) -> str:
         return self.c._create_multipart_upload(
-            self.b, key, {"Content-Type": "application/octet-stream"})
+            self.b, key, {"Content-Type": "application/octet-stream", **(meta or {})})
 
     def upload_part(self, key: str, upload_id: str, number: int, data: bytes,
                     md5_b64: str | None) -> str:
@@ -336,7 +345,11 @@ class S3Store:
 
     # -- helpers -------------------------------------------------------------
     def _key(self, path: str) -> str:
-        return self.prefix + clean_path(path)
+        key = self.prefix + clean_path(path)
+        if len(key.encode("utf-8", "surrogateescape")) + len(LINK_SUFFIX) + 1 > MAX_KEY:
+            raise PermanentError(f"s3://{self.bucket}: the path {path!r} is too long for an S3 "
+                                 f"key ({MAX_KEY} bytes with the prefix)")
+        return key
 
     def _dirkey(self, path: str) -> str:
         return self._key(path) + "/" if path else self.prefix
@@ -387,6 +400,7 @@ class S3Store:
 
     def _exists(self, path: str) -> bool:
         return self._head(self._key(path)) is not None or \
+            self._head(self._key(path) + LINK_SUFFIX) is not None or \
             bool(self.wire.first_under(self._dirkey(path)))
 
     # -- UnderStore ----------------------------------------------------------
@@ -404,20 +418,7 @@ class S3Store:
 
     def _list(self, prefix: str) -> Iterator[UEntry]:
         with self._errors("list", prefix):
-            files: set[str] = set()
-            for o in self.client.list_objects(self.bucket, prefix=prefix or None):
-                name = o.object_name[len(prefix):]
-                if o.is_dir:
-                    name = name[:-1]
-                if not name or "/" in name:
-                    continue  # the directory's own marker, or a key with '//' in it
-                if o.is_dir:
-                    if name not in files:
-                        yield UEntry(name, True, 0, 0.0)
-                else:
-                    files.add(name)
-                    mtime = o.last_modified.timestamp() if o.last_modified else 0.0
-                    yield UEntry(name, False, o.size or 0, mtime)
+            return iter(s3meta.list_entries(self, prefix))
 
     def stat(self, path: str) -> UEntry | None:
         if not path:
@@ -427,9 +428,14 @@ class S3Store:
             o = self._head(key)
             if o is not None:
                 mtime = o.last_modified.timestamp() if o.last_modified else 0.0
-                return UEntry(name_of(path), False, o.size or 0, mtime)
+                return UEntry(name_of(path), False, o.size or 0, mtime, **parse_attrs(o.metadata))
+            target, headers = s3meta.get_small(self, key + LINK_SUFFIX)
+            if target:
+                return UEntry(name_of(path), False, len(target), 0.0, **parse_attrs(headers),
+                              link=target.decode("utf-8", "surrogateescape"))
             if self.wire.first_under(key + "/"):
-                return UEntry(name_of(path), True)
+                m = self._head(key + "/")
+                return UEntry(name_of(path), True, **parse_attrs(m.metadata if m else None))
         return None
 
     def read(self, path: str, offset: int, length: int) -> bytes:
@@ -463,7 +469,8 @@ class S3Store:
         return clean_path(path, "token path")
 
     def stage(self, path: str, token: str, src_path: str, size: int,
-              progress: Callable[[int], None] | None = None) -> "S3Staged":
+              progress: Callable[[int], None] | None = None,
+              attrs: Attrs | None = None) -> "S3Staged":
         key = self._key(path)
         if not path:
             raise PermanentError("cannot stage onto the root directory")
@@ -476,12 +483,14 @@ class S3Store:
         if size < self.multipart_threshold:
             data = _read_source(src_path, size, f"s3 stage {key}")
             staged = S3Staged(self, token, key, size, src_path=src_path,
-                              md5=_md5(data) if self.content_md5 else None)
+                              md5=_md5(data) if self.content_md5 else None,
+                              meta=attrs_headers(attrs, _stat.S_IFREG))
             if progress is not None:
                 progress(size)  # read and hashed; sent (read again) by commit()
             return staged
         with self._errors("stage", key):
-            return self._stage_multipart(token, key, src_path, size, progress)
+            return self._stage_multipart(token, key, src_path, size, progress,
+                                         attrs_headers(attrs, _stat.S_IFREG))
 
     def _part_size_for(self, size: int) -> int:
         ps = self.part_size
@@ -490,7 +499,7 @@ class S3Store:
             ps = -(-ps // MiB) * MiB
         return ps
 
-    def _stage_multipart(self, token, key, src_path, size, progress) -> "S3Staged":
+    def _stage_multipart(self, token, key, src_path, size, progress, meta) -> "S3Staged":
         ps = self._part_size_for(size)
         ranges = [(i + 1, off, min(ps, size - off)) for i, off in enumerate(range(0, size, ps))]
         try:
@@ -500,7 +509,7 @@ class S3Store:
         upload_id = None
         self._track(token, key, None)
         try:
-            upload_id = self.wire.create_upload(key)
+            upload_id = self.wire.create_upload(key, meta)
             self._track(token, key, upload_id)
 
             def one(r):
@@ -602,11 +611,12 @@ class S3Store:
         if not rename_needed(src, dst):
             return
         with self._errors("rename", f"{sk} -> {dk}"):
-            o = self._head(sk)
-            if o is not None:
-                self._copy(sk, dk, o.size or 0)
-                self.client.remove_object(self.bucket, sk)
-                return
+            for suffix, other in (("", LINK_SUFFIX), (LINK_SUFFIX, "")):   # a file, or a link
+                o = self._head(sk + suffix)
+                if o is not None:   # it replaces a file or a link at dst: same request count
+                    self._copy(sk + suffix, dk + suffix, o.size or 0)
+                    self._delete_many([sk + suffix, dk + other])
+                    return
             if self._move_prefix(sk + "/", dk + "/"):
                 return
             if self._exists(dst):
@@ -650,21 +660,34 @@ class S3Store:
         key = self._key(path)
         if not path:
             raise PermanentError("cannot delete the root directory")
-        with self._errors("delete", key):
-            try:
-                self.client.remove_object(self.bucket, key)
-            except S3Error as e:
-                if e.code != "NoSuchKey":
-                    raise
+        with self._errors("delete", key):   # a file or a link: one DeleteObjects request
+            self._delete_many([key, key + LINK_SUFFIX])
 
-    def mkdir(self, path: str) -> None:
+    def mkdir(self, path: str, attrs: Attrs | None = None) -> None:
         clean_path(path)
         parts = path.split("/") if path else []
         empty_b64 = _md5(b"")[1]
         for i in range(1, len(parts) + 1):
             key = self._key("/".join(parts[:i])) + "/"
             with self._errors("mkdir", key):
-                self.wire.put(key, b"", empty_b64)
+                if i < len(parts) and self._head(key) is not None:
+                    continue     # a parent's marker may hold its attributes: keep it
+                self.wire.put(key, b"", empty_b64,
+                              attrs_headers(attrs, _stat.S_IFDIR) if i == len(parts) else None)
+
+    def symlink(self, path: str, target: str, attrs: Attrs | None = None) -> None:
+        key = self._key(path)
+        if not path or not target or "\0" in target:
+            raise PermanentError(f"s3 symlink {path!r} -> {target!r}: invalid")
+        body = target.encode("utf-8", "surrogateescape")
+        with self._errors("symlink", key + LINK_SUFFIX):
+            self.wire.put(key + LINK_SUFFIX, body, _md5(body)[1],
+                          attrs_headers(attrs, _stat.S_IFLNK))
+            self._delete_many([key])     # it replaces a file there (rare: links are few)
+
+    def set_attrs(self, path: str, attrs: Attrs) -> None:
+        if path:   # the root's attributes belong to the operator
+            s3meta.set_attrs(self, path, attrs)
 
     def rmdir(self, path: str) -> None:
         dk = self._dirkey(path)
@@ -711,7 +734,8 @@ class S3Staged:
 
     def __init__(self, store: S3Store, token: str, key: str, size: int, *,
                  src_path: str | None = None, md5: tuple[str, str] | None = None,
-                 upload_id: str | None = None, parts: list[tuple[int, str]] | None = None):
+                 upload_id: str | None = None, parts: list[tuple[int, str]] | None = None,
+                 meta: dict | None = None):
         self.token = token
         self.key = key
         self.size = size
@@ -720,6 +744,7 @@ class S3Staged:
         self._src = src_path
         self._md5_hex, self._md5 = md5 or (None, None)
         self._parts = parts or []
+        self._meta = meta or {}
         self._done = False
         self._aborted = False
 
@@ -738,7 +763,7 @@ class S3Staged:
                     raise PermanentError(f"commit of s3://{s.bucket}/{self.key} after abort")
                 # (changed since stage(): the server rejects the Content-MD5, BadDigest)
                 data = _read_source(self._src, self.size, f"s3 commit {self.key}", commit=True)
-                etag, want = s.wire.put(self.key, data, self._md5), self._md5_hex
+                etag, want = s.wire.put(self.key, data, self._md5, self._meta), self._md5_hex
             else:
                 want = self._multipart_etag()   # from the parts' ETags
                 try:

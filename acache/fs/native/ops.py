@@ -50,6 +50,7 @@ class Ops:
         self._fsyncdir = getattr(vfs, "fsyncdir", None)     # optional VFS capabilities
         self._mknod = getattr(vfs, "mknod", None)
         self._handle_ino = getattr(vfs, "handle_ino", None)
+        self._symlink = getattr(vfs, "symlink", None)
         self.drop_pages = None      # set by the engine: the kernel's pages of an inode dropped
         self._dirs: dict[int, tuple[int, list]] = {}        # fh -> (next vfs offset, rest)
         self._dirs_lock = threading.Lock()
@@ -68,8 +69,8 @@ class Ops:
             p.SETXATTR: self.setxattr, p.REMOVEXATTR: self.removexattr,
             p.ACCESS: self.access, p.FALLOCATE: self.fallocate, p.DESTROY: self.destroy,
             p.NOTIFY_REPLY: lambda req: NO_REPLY,     # we send no retrieve requests
-            p.IOCTL: self._error(errno.ENOTTY), p.SYMLINK: self._error(errno.EPERM),
-            p.LINK: self._error(errno.EPERM), p.READLINK: self._error(errno.EINVAL),
+            p.IOCTL: self._error(errno.ENOTTY), p.SYMLINK: self.symlink,
+            p.LINK: self._error(errno.EPERM), p.READLINK: self.readlink,
             # LSEEK, POLL, BMAP, COPY_FILE_RANGE, STATX, TMPFILE, ...: ENOSYS (no handler)
         }
 
@@ -156,6 +157,18 @@ class Ops:
             self.vfs.flush(fh)
             self.vfs.release(fh)
         return Reply(self._entry(a), self._forget_one(a.ino))
+
+    def symlink(self, req: Request):
+        if self._symlink is None:
+            raise FsError(errno.EPERM)
+        name, target = proto.split_names(req.body, 2)   # FUSE_SYMLINK: name, then target
+        a = self._symlink(req.nodeid, name, target, req.ctx())
+        return Reply(self._entry(a), self._forget_one(a.ino))
+
+    def readlink(self, req: Request):
+        if self._symlink is None:
+            raise FsError(errno.EINVAL)
+        return self.vfs.readlink(req.nodeid)
 
     def unlink(self, req: Request):
         self.vfs.unlink(req.nodeid, _name(req.body), req.ctx())
