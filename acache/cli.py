@@ -60,8 +60,14 @@ def _run_foreground(s: config.Settings) -> None:
     def on_signal(signum, frame):
         logging.getLogger("acache").info("signal %d: stopping (dirty data stays in the cache "
                                          "and is persisted at the next start)", signum)
-        threading.Thread(target=lambda: (node.shutdown(flush=False), server.stop()),
-                         daemon=True).start()
+        def stop():
+            try:
+                node.shutdown(flush=False)
+            except Exception as e:
+                logging.getLogger("acache").error("stopping: %s", e)
+            finally:
+                server.stop()
+        threading.Thread(target=stop, daemon=True).start()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"acache node ready (pid {os.getpid()}, socket {s.socket_path})", file=sys.stderr, flush=True)

@@ -8,6 +8,7 @@
     passthrough = true: the native engine uses kernel passthrough where it can (false: never)
     flush_delay = 1.0 s before a closed file starts persisting
     stall_timeout = 300 s a writer waits for dirty space before ENOSPC
+    meta_reserve = 64 MiB kept free for the metadata on the cache filesystem (acache.meta.reserve)
     chunk_size  = 8 MiB read-through fetch unit
     upload_concurrency = 4 files staged in parallel
     [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
@@ -63,6 +64,7 @@ class Settings:
     passthrough: bool = True
     flush_delay: float = 1.0
     stall_timeout: float = 300.0
+    meta_reserve: int = 64 << 20
     chunk_size: int = 8 << 20
     upload_concurrency: int = 4
     log_level: str = "INFO"
@@ -120,6 +122,7 @@ _CASTS = {
     "passthrough": lambda v: parse_bool(v, "passthrough"),
     "flush_delay": float, "stall_timeout": float, "upload_concurrency": int,
     "chunk_size": lambda v: parse_size(v, "chunk_size"),
+    "meta_reserve": lambda v: parse_size(v, "meta_reserve"),
 }
 
 

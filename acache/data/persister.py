@@ -23,7 +23,7 @@ from typing import Callable
 
 from acache.data.cache import CacheDir
 from acache.data.under.base import Staged, UnderStore
-from acache.errors import UnderStoreError
+from acache.errors import AcacheError, UnderStoreError
 from acache.meta.store import Entry, MetaStore
 
 log = logging.getLogger("acache.persister")
@@ -293,7 +293,10 @@ class Persister:
             if cleaned:   # the cancelled entry's token was recorded (Txn.remove_entry)
                 txn = self.meta.txn()
                 txn.forget_stage(e.token)
-                txn.commit()
+                try:
+                    txn.commit()
+                except AcacheError:   # the token stays recorded: cleaned again at restart
+                    pass
             self._aborting.pop(e.seq, None)
             self.gc(e.ino, e.gen)
             self.cond.notify_all()
@@ -407,4 +410,7 @@ class Persister:
                     if self.meta.entry(e.seq) is e and e.token == token:
                         e.token = ""      # nothing of that attempt is left
                         txn.update_entry(e)
-                    txn.commit()
+                    try:
+                        txn.commit()
+                    except AcacheError:   # undone: cleaned up again later
+                        pass
