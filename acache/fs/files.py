@@ -239,8 +239,11 @@ class FileOps:
                         node.cached = True
                         txn = self.meta.txn()
                         txn.save(node)
-                        txn.commit()
-                        self.cache.note(h.ino, h.gen, dirty=False)
+                        try:
+                            txn.commit()
+                            self.cache.note(h.ino, h.gen, dirty=False)
+                        except AcacheError:   # undone (logged): read through again later
+                            pass
         return os.pread(h.fd, size, offset)
 
     def read_fast(self, fh: int, offset: int, size: int) -> bytes | None:

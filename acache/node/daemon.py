@@ -251,6 +251,7 @@ class Node:
                 "passthrough": bool(self.engine and self.engine.passthrough_active),
                 "ufs": self.settings.ufs_url, "cache_dir": str(self.settings.cache_path),
                 "cache_used": c.used(), "cache_limit": c.limit, "dirty_bytes": c.dirty_bytes(),
+                "cache_limit_now": c.effective_limit(), "meta_reserve_held": self.reserve.held,
                 "dirty_files": dirty_files, "queue": len(journal),
                 "queue_bytes": sum(e.size for e in journal),
                 "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
