@@ -27,6 +27,7 @@ import pytest
 from tests.acache_node import AcacheNode, fuse_mounts
 from tests.s3server import S3Server
 
+pytestmark = [pytest.mark.e2e, pytest.mark.s3]
 MiB = 1 << 20
 VARIANTS = {"native-passthrough": ("native", "1"), "native-no-passthrough": ("native", "0"),
             "pyfuse3": ("pyfuse3", "1")}
