@@ -64,8 +64,14 @@ def _run_foreground(s: config.Settings) -> None:
     def on_signal(signum, frame):
         logging.getLogger("acache").info("signal %d: stopping (dirty data stays in the cache "
                                          "and is persisted at the next start)", signum)
-        threading.Thread(target=lambda: (node.shutdown(flush=False), server.stop()),
-                         daemon=True).start()
+        def stop():
+            try:
+                node.shutdown(flush=False)
+            except Exception as e:
+                logging.getLogger("acache").error("stopping: %s", e)
+            finally:
+                server.stop()
+        threading.Thread(target=stop, daemon=True).start()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"acache node ready (pid {os.getpid()}, socket {s.socket_path})", file=sys.stderr, flush=True)
@@ -223,7 +229,12 @@ def status(path: Optional[Path] = typer.Argument(None, help="Show each file's st
     t.add_row("mount", f"{st['mountpoint'] or '-'} ({st['engine'] or 'no engine'}"
               f"{', passthrough' if st['passthrough'] else ''})")
     t.add_row("under-storage", st["ufs"])
-    t.add_row("cache", f"{_human(st['cache_used'])} of {_human(st['cache_limit'])} in {st['cache_dir']}")
+    room = st.get("cache_limit_now", st["cache_limit"])
+    t.add_row("cache", f"{_human(st['cache_used'])} of {_human(st['cache_limit'])} in {st['cache_dir']}"
+              + (f" (room for {_human(room)}: its filesystem's free space less the metadata "
+                 "reserve)" if room < st["cache_limit"] else ""))
+    if st.get("meta_reserve_held") is False:
+        t.add_row("metadata reserve", "[yellow]in use: the cache filesystem was full[/]")
     t.add_row("dirty", f"{_human(st['dirty_bytes'])} in {st['dirty_files']} files")
     t.add_row("persist queue", f"{st['queue']} entries, {_human(st['queue_bytes'])}, {st['in_flight']} in flight")
     t.add_row("rate", f"{_human(st['rate'])}/s; persisted {st['persisted_files']} files, "

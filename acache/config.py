@@ -8,6 +8,7 @@
     passthrough = true: the native engine uses kernel passthrough where it can (false: never)
     flush_delay = 1.0 s before a closed file starts persisting
     stall_timeout = 300 s a writer waits for dirty space before ENOSPC
+    meta_reserve = 64 MiB kept free for the metadata on the cache filesystem (acache.meta.reserve)
     chunk_size  = 8 MiB read-through fetch unit
     upload_concurrency = 4 files staged in parallel
     [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
@@ -85,6 +86,7 @@ class Settings:
     passthrough: bool = True
     flush_delay: float = 1.0
     stall_timeout: float = 300.0
+    meta_reserve: int = 64 << 20
     chunk_size: int = 8 << 20
     upload_concurrency: int = 4
     log_level: str = "INFO"
@@ -240,6 +242,7 @@ _CASTS = {
     "cache_size": _cache_size, "passthrough": _bool,
     "flush_delay": _seconds, "stall_timeout": _positive_seconds, "upload_concurrency": _concurrency,
     "chunk_size": _chunk,
+    "meta_reserve": _size,
 }
 
 

@@ -4,6 +4,7 @@ under-stores, FUSE replies in the engines, exit codes in the CLI).
     AcacheError                    errno   retryable
     ├── ConfigError                EINVAL  no     bad config file / flag / URL
     ├── FsError                    (given) no     a POSIX error for the mount (ENOENT, EEXIST...)
+    │   └── MetaError              EIO     no     a metadata write failed: the operation is undone
     ├── UnderStoreError            EIO     (given) the under-storage failed
     │   ├── TransientError         EIO     yes    5xx, SlowDown, timeouts, connection refused
     │   └── PermanentError         EIO     no     AccessDenied, NoSuchBucket, bad credentials, EACCES
@@ -30,6 +31,14 @@ class FsError(AcacheError):
     def __init__(self, err: int, msg: str = ""):
         super().__init__(msg or _errno.errorcode.get(err, str(err)))
         self.errno = err
+
+
+class MetaError(FsError):
+    """The metadata store could not write an operation's batch: nothing of it was applied
+    (memory is back to what the store holds), and the mount answers EIO."""
+
+    def __init__(self, msg: str):
+        super().__init__(_errno.EIO, msg)
 
 
 class UnderStoreError(AcacheError):

@@ -6,6 +6,17 @@ A generation's file is the backing file of the mount (pwrite, or the kernel
 itself with passthrough).  Space: clean files (their content is persisted) are
 evicted LRU; dirty ones never.  Writers wait for space (backpressure) instead of
 failing; ENOSPC only after ``stall_timeout``.
+
+The limit in force is ``effective_limit()``: ``limit``, lowered so that the filesystem
+keeps the metadata reserve free (acache.meta.reserve).  Writes the daemon serves are
+accounted as they happen; writes the kernel passes through to a cache file are not seen
+at all, so a monitor thread fstat's the files open for writing every ``MONITOR_EVERY`` s
+(while there are any), accounts their growth and evicts clean data to make up for it.
+New write opens wait for room like writes do, and near the limit (``roomy()`` is False)
+they are served by the daemon instead of passed through, so their writes wait too.
+What stays soft: a file opened with passthrough while there was room writes past the
+limit until its close, at most until the filesystem's free space is gone (the ballast
+keeps the metadata's room).
 """
 from __future__ import annotations
 
@@ -43,7 +54,10 @@ class _Sizes(dict):
 
 
 class CacheDir:
-    def __init__(self, root: str, limit: int, stall_timeout: float) -> None:
+    MONITOR_EVERY = 0.1      # s between fstat's of the files open for writing
+    ROOMY = 8                # write opens are passed through while > limit/ROOMY is free
+
+    def __init__(self, root: str, limit: int, stall_timeout: float, reserve=None) -> None:
         self.root = root
         self.dir = os.path.join(root, "data")
         os.makedirs(self.dir, exist_ok=True)
@@ -59,29 +73,45 @@ class CacheDir:
         self.on_stall = None                               # () -> None: writers wait, persist now
         self.stalls = 0
         self._reflink: bool | None = None
+        self.reserve = reserve                              # acache.meta.reserve.Reserve | None
+        self._writing: dict[tuple[int, int], int] = {}      # (ino, gen) -> write opens
+        self._fs_base = 0                                   # used + the filesystem's free bytes
+        self._fs_next = 0.0                                 # when to statvfs again
+        self._over = False                                  # logged: over the limit
+        self._monitor: threading.Thread | None = None
 
     def path(self, ino: int, gen: int) -> str:
         return os.path.join(self.dir, f"{ino:x}.{gen}")
 
     # -- file descriptors shared by every open of one generation --------------------
-    def acquire(self, ino: int, gen: int, create: bool = False) -> int:
+    def acquire(self, ino: int, gen: int, create: bool = False, write: bool = False) -> int:
+        """The shared fd of a generation; ``write``: for a write open (its growth is
+        monitored until the matching ``release(write=True)``)."""
         key = (ino, gen)
         with self._lock:
             if key in self._fds:
                 self._fds[key][1] += 1
-                return self._fds[key][0]
-            flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
-            fd = os.open(self.path(ino, gen), flags, 0o600)
-            self._fds[key] = [fd, 1]
-            self.lru.pop(ino, None)
+                fd = self._fds[key][0]
+            else:
+                flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+                fd = os.open(self.path(ino, gen), flags, 0o600)
+                self._fds[key] = [fd, 1]
+                self.lru.pop(ino, None)
+            if write:
+                self._writing[key] = self._writing.get(key, 0) + 1
+                self.space.notify_all()       # the monitor starts watching
             return fd
 
-    def release(self, ino: int, gen: int) -> None:
+    def release(self, ino: int, gen: int, write: bool = False) -> None:
         key = (ino, gen)
         with self._lock:
             ent = self._fds.get(key)
             if ent is None:
                 return
+            if write and key in self._writing:
+                self._writing[key] -= 1
+                if not self._writing[key]:
+                    del self._writing[key]
             ent[1] -= 1
             if ent[1] == 0:
                 os.close(ent[0])
@@ -181,7 +211,7 @@ class CacheDir:
                     self.lru[ino] = gen
                     self.lru.move_to_end(ino)
             self.space.notify_all()
-        if not dirty and self.used() > self.limit:
+        if not dirty and self.used() > self.effective_limit():
             self.make_room(0)   # clean again and over the limit (passthrough writes are not
                                 # seen until close): evict now, not at the next open
 
@@ -205,7 +235,65 @@ class CacheDir:
             self.wait_for_room()
 
     def has_room(self, need: int) -> bool:
-        return self._sizes.total + need <= self.limit
+        return self._sizes.total + need <= self.effective_limit()
+
+    def effective_limit(self) -> int:
+        """``limit``, lowered so that the filesystem keeps the metadata reserve free.
+        ``used + free`` does not change with our own writes or evictions, so it is
+        sampled (statvfs) at most every 20 ms."""
+        now = time.monotonic()
+        if now >= self._fs_next:
+            st = os.statvfs(self.dir)
+            self._fs_base = self._sizes.total + st.f_bavail * st.f_frsize
+            self._fs_next = now + 0.02
+        keep = self.reserve.keep() if self.reserve is not None else 0
+        return max(0, min(self.limit, self._fs_base - keep))
+
+    def roomy(self) -> bool:
+        """Is there room enough to pass a new write open through to the kernel (whose
+        writes the limit cannot hold back until the file's close)?"""
+        limit = self.effective_limit()
+        return limit - self.used() > limit // self.ROOMY
+
+    # -- files open for writing: their size as the kernel writes them ---------------------
+    def start_monitor(self) -> None:
+        self._monitor = threading.Thread(target=self._watch, name="acache-cache-monitor",
+                                         daemon=True)
+        self._monitor.start()
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                while not self._writing:
+                    self.space.wait()
+                fds = [(key, self._fds[key][0]) for key in self._writing if key in self._fds]
+            self.watch_once(fds)
+            time.sleep(self.MONITOR_EVERY)
+
+    def watch_once(self, fds=None) -> None:
+        """Account the growth of the files open for writing; evict to make up for it."""
+        if fds is None:
+            with self._lock:
+                fds = [(key, self._fds[key][0]) for key in self._writing if key in self._fds]
+        grew = False
+        for (ino, gen), fd in fds:
+            try:
+                st = os.fstat(fd)
+            except OSError:          # closed meanwhile
+                continue
+            grew = self.account(ino, gen, st.st_blocks * 512) or grew
+        if not grew:
+            return
+        limit = self.effective_limit()
+        if self.used() > limit:
+            self.make_room(0)
+            if self.used() > limit and not self._over:
+                self._over = True
+                log.warning("the cache is over its limit (%d of %d bytes): files open with "
+                            "passthrough keep writing; new writes wait for room",
+                            self.used(), limit)
+        elif self._over:
+            self._over = False
 
     def filled(self, ino: int, gen: int, nbytes: int) -> None:
         """Read-through wrote ``nbytes`` more into a clean cache file: account them."""
@@ -218,7 +306,7 @@ class CacheDir:
         """Readers: evict clean data so that ``need`` more bytes fit.  Never waits and
         never fails: with only dirty or open data left, the cache goes over its limit
         (writers are held back until it is under again)."""
-        while self.used() + need > self.limit:
+        while self.used() + need > self.effective_limit():
             if not self._evict_one():
                 return
 
@@ -231,22 +319,22 @@ class CacheDir:
     def wait_for_room(self, need: int = 0) -> None:
         """Backpressure: evict clean data; if dirty data fills the cache, wait."""
         deadline = None
-        while self.used() + need > self.limit:
+        while self.used() + need > (limit := self.effective_limit()):
             if self._evict_one():
                 continue
-            if self.dirty_bytes() + need <= self.limit:
+            if self.dirty_bytes() + need <= limit:
                 return   # only dirty + open files: over the soft limit but nothing to wait for
             if deadline is None:
                 deadline = time.monotonic() + self.stall_timeout
                 self.stalls += 1
                 log.warning("cache full of dirty data (%d of %d bytes): writers wait for persisting",
-                            self.dirty_bytes(), self.limit)
+                            self.dirty_bytes(), limit)
                 if self.on_stall is not None:
                     self.on_stall()     # no flush delay while writers wait for room
             left = deadline - time.monotonic()
             if left <= 0:
                 log.error("ENOSPC: dirty data stayed above the cache limit (%d bytes) for %.0f s "
-                          "(stall_timeout); is the under-storage reachable?", self.limit, self.stall_timeout)
+                          "(stall_timeout); is the under-storage reachable?", limit, self.stall_timeout)
                 raise FsError(errno.ENOSPC)
             with self._lock:
                 self.space.wait(min(left, 0.5))

@@ -23,7 +23,7 @@ from typing import Callable
 
 from acache.data.cache import CacheDir
 from acache.data.under.base import Attrs, Staged, UnderStore
-from acache.errors import UnderStoreError
+from acache.errors import AcacheError, UnderStoreError
 from acache.meta.store import Entry, MetaStore
 
 log = logging.getLogger("acache.persister")
@@ -155,6 +155,10 @@ class Persister:
                     return
                 try:
                     timeout = self._schedule()
+                except AcacheError as e:  # a metadata write failed (logged, undone): again soon
+                    self.last_error = f"scheduling uploads: {e}"
+                    self.cond.wait(1.0)
+                    continue
                 except Exception as e:   # a bug: never let the one persister thread die
                     log.exception("scheduling uploads failed (retrying in 1 s)")
                     self.last_error = f"internal error scheduling uploads: {type(e).__name__}: {e}"
@@ -179,6 +183,8 @@ class Persister:
                 self._apply(head, job)
             except UnderStoreError as e:
                 self._failed(head, e)
+            except AcacheError as e:  # a metadata write failed (logged, undone): retry
+                self._failed(head, UnderStoreError(str(e), retryable=True))
             except Exception as e:   # a bug or an unexpected OS error: keep the entry, retry
                 log.exception("persisting seq %d (%s %s) failed", head.seq, head.op, head.path)
                 self._failed(head, UnderStoreError(f"{type(e).__name__}: {e}", retryable=True))
@@ -296,7 +302,10 @@ class Persister:
             if cleaned:   # the cancelled entry's token was recorded (Txn.remove_entry)
                 txn = self.meta.txn()
                 txn.forget_stage(e.token)
-                txn.commit()
+                try:
+                    txn.commit()
+                except AcacheError:   # the token stays recorded: cleaned again at restart
+                    pass
             self._aborting.pop(e.seq, None)
             self.gc(e.ino, e.gen)
             self.cond.notify_all()
@@ -348,6 +357,24 @@ class Persister:
             self.failed.pop(s, None)
         if not self.failed and not self._retry_at:
             self.last_error = ""          # nothing is failing or waiting for a retry any more
+        while True:
+            try:
+                self._record(e)
+                break
+            except AcacheError:      # undone (logged): applied, not recorded yet; never apply
+                if self._stop:       # it twice while up (a restart applies it again)
+                    return
+                self.cond.wait(1.0)
+        if e.op == "put":
+            self.bytes_done += e.size
+            self.files_done += 1
+            self._rate.append((time.monotonic(), self.bytes_done))
+            self.gc(e.ino, e.gen)
+        self.on_applied(e)
+        self.cond.notify_all()
+
+    def _record(self, e: Entry) -> None:
+        """Take applied entry ``e`` out of the journal; the under-storage has it now."""
         txn = self.meta.txn()
         txn.remove_entry(e.seq)
         if e.token:
@@ -357,9 +384,6 @@ class Persister:
             if node is not None:
                 node.upath = e.path
                 txn.save(node)
-            self.bytes_done += e.size
-            self.files_done += 1
-            self._rate.append((time.monotonic(), self.bytes_done))
         elif e.op in ("mkdir", "symlink"):
             node = self.meta.get(e.ino)
             if node is not None:
@@ -373,10 +397,6 @@ class Persister:
                     n.upath = e.dst + n.upath[len(e.path):]
                     txn.save(n)
         txn.commit()
-        if e.op == "put":
-            self.gc(e.ino, e.gen)
-        self.on_applied(e)
-        self.cond.notify_all()
 
     def _attrs_of(self, ino: int) -> list:
         """The attributes an entry of ``ino`` lands with (under the lock)."""
@@ -421,4 +441,7 @@ class Persister:
                     if self.meta.entry(e.seq) is e and e.token == token:
                         e.token = ""      # nothing of that attempt is left
                         txn.update_entry(e)
-                    txn.commit()
+                    try:
+                        txn.commit()
+                    except AcacheError:   # undone: cleaned up again later
+                        pass

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from acache.errors import FsError
+from acache.errors import AcacheError, FsError
 from acache.meta import journal
 from acache.meta.store import Inode
 
@@ -64,7 +64,7 @@ class FileOps:
         return h
 
     def _new_handle(self, node: Inode, writable: bool) -> int:
-        fd = self.cache.acquire(node.ino, node.gen, create=True)
+        fd = self.cache.acquire(node.ino, node.gen, create=True, write=writable)
         self._fh_next += 1
         h = Handle(self._fh_next, node.ino, node.gen, fd, writable)
         self._handles[h.fh] = h
@@ -115,7 +115,11 @@ class FileOps:
             self.cache.create_empty(node.ino, 0)
             txn.link(parent, name, node.ino)
             self._touch_dir(txn, p)
-            txn.commit()
+            try:
+                txn.commit()
+            except AcacheError:
+                self.cache.remove(node.ino, 0)     # the failed create leaves nothing behind
+                raise
             self.cache.note(node.ino, 0, dirty=True, size=0)
             fh = self._new_handle(node, True)
             self._lookups[node.ino] = self._lookups.get(node.ino, 0) + 1
@@ -143,16 +147,12 @@ class FileOps:
                 # a fork, a dup'd fd): one generation for all writers, never two
                 journal.on_reopen(self.meta, txn, self.persister, node)
                 self._sig.pop(ino, None)   # its next close journals it, changed or not
-                if trunc:
-                    os.truncate(self.cache.path(ino, node.gen), 0)
             elif self._newest_unstarted(ino, node.gen):
                 # its pending PUT is the journal's newest entry and has not started:
                 # nothing can overtake it, so write in place and journal it again at close
                 # (no copy of the whole file, e.g. fio's create-close-reopen)
                 journal.on_reopen(self.meta, txn, self.persister, node)
                 self._sig.pop(ino, None)
-                if trunc:
-                    os.truncate(self.cache.path(ino, node.gen), 0)
             elif node.cached and not trunc and not self.cache.cheap_clone(node.size) \
                     and self.meta.gen_pending(ino, node.gen) \
                     and journal.hold_put(self.meta, txn, self.persister, node):
@@ -167,14 +167,20 @@ class FileOps:
                 else:
                     self.cache.clone(ino, old_gen, node.gen)
                 node.cached = True
-            elif trunc:
-                os.truncate(self.cache.path(ino, node.gen), 0)
             if trunc:
                 node.size = 0
                 node.mtime_ns = node.ctime_ns = time.time_ns()
             node.dirty = True
             txn.save(node)
-            txn.commit()
+            new_gen = node.gen
+            try:
+                txn.commit()
+            except AcacheError:      # undone: node.gen is old_gen again
+                if new_gen != old_gen:
+                    self.cache.remove(ino, new_gen)
+                raise
+            if trunc and new_gen == old_gen:   # in place, once the open is recorded
+                os.truncate(self.cache.path(ino, node.gen), 0)
             self.cache.note(ino, node.gen, dirty=True)
             fh = self._new_handle(node, True)
             if old_gen != node.gen:
@@ -210,9 +216,14 @@ class FileOps:
             return None
         return h.fd
 
-    def passthrough_fd(self, fh: int) -> int | None:
+    def passthrough_fd(self, fh: int, opening: bool = False) -> int | None:
+        """The cache fd the kernel may read and write directly for ``fh``, or None.
+        ``opening``: asked for a new open (a write open gets none near the cache limit)."""
         with self.lock:
-            return self._local_fd(self._handle(fh))
+            h = self._handle(fh)
+            if opening and h.writable and not self.cache.roomy():
+                return None    # near the limit: served by the daemon, whose writes wait for room
+            return self._local_fd(h)
 
     # -- data ------------------------------------------------------------------------------
     def read(self, fh: int, offset: int, size: int) -> bytes:
@@ -228,8 +239,11 @@ class FileOps:
                         node.cached = True
                         txn = self.meta.txn()
                         txn.save(node)
-                        txn.commit()
-                        self.cache.note(h.ino, h.gen, dirty=False)
+                        try:
+                            txn.commit()
+                            self.cache.note(h.ino, h.gen, dirty=False)
+                        except AcacheError:   # undone (logged): read through again later
+                            pass
         return os.pread(h.fd, size, offset)
 
     def read_fast(self, fh: int, offset: int, size: int) -> bytes | None:
@@ -324,9 +338,9 @@ class FileOps:
             if node.nlink > 0:
                 journal.journal_put(self.meta, txn, self.persister, node)
         node.dirty = False
-        self._sig[h.ino] = sig
         txn.save(node)
         txn.commit()
+        self._sig[h.ino] = sig     # only now: a close that failed to journal must not look done
         self.cache.note(h.ino, h.gen, dirty=True, size=s.st_blocks * 512)
         self.persister.wake()
 
@@ -353,8 +367,11 @@ class FileOps:
                     if node is not None and node.gen == h.gen:
                         s = os.fstat(h.fd)
                         if node.dirty or (s.st_size, s.st_mtime_ns) != self._sig.get(h.ino):
-                            self._close_file(h)   # written after its close (mmap, dup'd fd)
-            self.cache.release(h.ino, h.gen)
+                            try:   # written after its close (mmap, dup'd fd)
+                                self._close_file(h)
+                            except AcacheError:   # metadata write failed: the file stays
+                                pass              # dirty; journal_unjournaled() retries
+            self.cache.release(h.ino, h.gen, write=h.writable)
             if node is not None and node.nlink == 0 and h.ino not in self._opens:
                 reap = node
             elif node is None or h.gen != node.gen:
@@ -362,6 +379,28 @@ class FileOps:
         if reap is not None:
             self._sig.pop(reap.ino, None)
             self._reap(reap)
+
+    def journal_unjournaled(self) -> list[int]:
+        """Files whose last close could not be journaled (a metadata write failed) are
+        dirty with no writer: journal them now.  Returns their inos; raises MetaError while
+        the metadata store still fails.  O(inodes): for barriers, not per operation."""
+        done = []
+        with self.lock:
+            for node in self.meta.inodes():
+                if not node.dirty or node.is_dir or node.nlink == 0 or self._wopen.get(node.ino):
+                    continue
+                try:
+                    fd = self.cache.acquire(node.ino, node.gen)
+                except FileNotFoundError:
+                    continue
+                try:
+                    self._close_file(Handle(0, node.ino, node.gen, fd, True))
+                finally:
+                    self.cache.release(node.ino, node.gen)
+                done.append(node.ino)
+        if done:
+            self.persister.wake()
+        return done
 
     def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)

@@ -17,7 +17,7 @@ from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.readthrough import ReadThrough
 from acache.data.under.base import UnderStore
-from acache.errors import FsError, UnderStoreError
+from acache.errors import AcacheError, FsError, UnderStoreError
 from acache.fs.files import FileOps
 from acache.fs.types import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, STATE_XATTR, UTIME_NOW,
                              Attr, Ctx, StatFs)
@@ -489,7 +489,10 @@ class VFS(FileOps):
             node.cached = False
             txn = self.meta.txn()
             txn.save(node)
-            txn.commit()
+            try:
+                txn.commit()
+            except AcacheError:      # undone (logged): the file stays cached
+                return False
             self.fetch.forget(ino, gen)
             self.cache.remove(ino, gen)
             return True

@@ -12,6 +12,16 @@ Write-back states of a file (the durability rule of each):
   persisting  its PUT is being staged/committed to the under-storage.
   persisted   the under-storage holds its current content at `upath`.
   failed      the under-storage refused it permanently; retried, data kept.
+
+A failed write (the KV refused a batch: a full disk, an I/O error) leaves memory as the KV
+has it: the VFS and the journal rules change Inode/Entry objects in place while they build
+a Txn, so instead of recording pre-images at every mutation (easy to miss one), a failed
+commit restores the whole in-memory state from the KV -- the durable truth, since a batch
+is atomic -- *in place*: existing Inode and Entry objects get their stored fields back (so
+references held by handles and persister jobs stay valid), objects the KV does not have are
+dropped, missing ones re-added, dentries and the journal's indexes rebuilt.  Then the commit
+raises MetaError (EIO at the mount).  O(namespace), but only on a failure.  The monotonic
+counters (next_ino, next_seq) are not rolled back: a gap is harmless, a reused number is not.
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ from typing import Iterator
 
 import msgpack
 
+from acache.errors import MetaError
 from acache.meta import schema as K
 from acache.meta.kv import KV
 
@@ -124,6 +135,8 @@ class Txn:
         self.deletes: list[bytes] = []
         self.dirty_inodes: dict[int, Inode] = {}
         self.freed: list[tuple[int, int]] = []   # (ino, gen) no longer needed by the journal
+        self.dropped: list = []                  # Inodes/Entries taken out of memory: put back
+                                                 # (the same objects) if the commit fails
 
     def save(self, ino: Inode) -> None:
         self.dirty_inodes[ino.ino] = ino
@@ -140,7 +153,9 @@ class Txn:
         self.deletes.append(key)
 
     def drop_inode(self, ino: int) -> None:
-        self.store._inodes.pop(ino, None)
+        node = self.store._inodes.pop(ino, None)
+        if node is not None:
+            self.dropped.append(node)
         self.store._children.pop(ino, None)
         self.dirty_inodes.pop(ino, None)
         self.puts.pop(K.inode_key(ino), None)
@@ -165,6 +180,7 @@ class Txn:
         e = self.store._journal.pop(seq, None)
         log.debug("journal -%d", seq)
         if e is not None:
+            self.dropped.append(e)
             self.store._unindex(e)
         self.puts.pop(K.journal_key(seq), None)
         self.deletes.append(K.journal_key(seq))
@@ -185,10 +201,18 @@ class Txn:
         for ino in self.dirty_inodes.values():
             if ino.ino in self.store._inodes:
                 self.puts[K.inode_key(ino.ino)] = ino.pack()
-        if self.puts or self.deletes:
-            self.store.kv.write(self.puts, self.deletes, sync=sync)
+        if self.puts or self.deletes or self.store.stale:
+            try:
+                if self.store.stale:    # built on memory an earlier failure left ahead of the KV
+                    raise MetaError("an earlier metadata write could not be undone yet")
+                self.store.kv.write(self.puts, self.deletes, sync=sync)
+            except Exception as e:
+                dropped = self.dropped
+                self.puts, self.deletes, self.dirty_inodes, self.freed, self.dropped = {}, [], {}, [], []
+                self.store.undo(e, dropped)
+                raise MetaError(f"metadata write failed: {e}") from None
         freed, self.freed = self.freed, []
-        self.puts, self.deletes, self.dirty_inodes = {}, [], {}
+        self.puts, self.deletes, self.dirty_inodes, self.dropped = {}, [], {}, []
         for ino, gen in freed:
             self.store.on_freed(ino, gen)
 
@@ -207,6 +231,7 @@ class MetaStore:
         self._of_ino: dict[int, set[int]] = {}    # entries about the inode itself (e.ino)
         self._moves_of: dict[int, set[int]] = {}  # pending RENAMEs moving it (or a dir above)
         self.on_freed = lambda ino, gen: None      # a cache file the journal let go of
+        self.stale = False                          # memory may be ahead of the KV (undo failed)
         raw = kv.get(K.counter_key("next_ino"))
         self._next_ino = K.from_u64(raw) if raw else ROOT_INO
         raw = kv.get(K.counter_key("next_seq"))
@@ -321,7 +346,57 @@ class MetaStore:
 
     def sync(self) -> None:
         """Make every change so far durable against a host crash (fsync of the WAL)."""
-        self.kv.write({K.counter_key("sync"): b""}, sync=True)
+        try:
+            self.kv.write({K.counter_key("sync"): b""}, sync=True)
+        except Exception as e:
+            raise MetaError(f"metadata sync failed: {e}") from None
+
+    # -- a failed write ------------------------------------------------------------
+    def undo(self, err: BaseException, dropped=()) -> None:
+        """A batch failed (called under the lock): bring memory back to the KV's state;
+        ``dropped``: objects the failed Txn took out of memory, reused if the KV has them."""
+        try:
+            self.restore(dropped)
+            log.error("metadata write failed, the operation is undone (EIO): %s", err)
+        except Exception as e2:
+            self.stale = True
+            log.error("metadata write failed (%s) and the store cannot be read back (%s): "
+                      "every change fails (EIO) until it can", err, e2)
+
+    def restore(self, dropped=()) -> None:
+        """Make memory equal the KV again, in place (see the module docstring)."""
+        old_inodes = {o.ino: o for o in dropped if isinstance(o, Inode)}
+        old_entries = {o.seq: o for o in dropped if isinstance(o, Entry)}
+        with self.lock:
+            inodes = {n.ino: n for n in (Inode.unpack(v) for _, v in self.kv.scan(K.INODE_PREFIX))}
+            children: dict[int, dict[bytes, int]] = {}
+            for k, v in self.kv.scan(K.DENTRY_PREFIX):
+                children.setdefault(K.from_u64(k[1:9]), {})[k[9:]] = K.from_u64(v)
+            entries = [Entry.unpack(v) for _, v in self.kv.scan(K.JOURNAL_PREFIX)]
+            for ino in [i for i in self._inodes if i not in inodes]:
+                del self._inodes[ino]
+            for ino, stored in inodes.items():
+                cur = self._inodes.get(ino) or old_inodes.get(ino)
+                if cur is None:
+                    self._inodes[ino] = stored
+                else:
+                    cur.__dict__.update(stored.__dict__)
+                    self._inodes[ino] = cur
+            self._children.clear()
+            self._children.update(children)
+            journal = {}
+            for stored in entries:      # key order is seq order
+                cur = self._journal.get(stored.seq) or old_entries.get(stored.seq)
+                if cur is not None:
+                    cur.__dict__.update(stored.__dict__)
+                journal[stored.seq] = cur if cur is not None else stored
+            self._journal.clear()
+            self._journal.update(journal)
+            self._of_ino.clear()
+            self._moves_of.clear()
+            for e in journal.values():
+                self._index(e)
+            self.stale = False
 
     def close(self) -> None:
         self.kv.close()

@@ -15,10 +15,11 @@ from acache.config import Settings, check_layout
 from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under import open_store
-from acache.errors import AcacheError, ConfigError, FlushError, UnderStoreError
+from acache.errors import AcacheError, ConfigError, FlushError, MetaError, UnderStoreError
 from acache.fs.native.mount import clean_stale_mount
 from acache.fs.vfs import VFS
 from acache.meta.kv_rocks import RocksKV
+from acache.meta.reserve import Reserve
 from acache.meta.store import MetaStore
 
 log = logging.getLogger("acache.node")
@@ -51,10 +52,13 @@ class Node:
                 msg = str(e) if "under-storage" in str(e) else \
                     f"under-storage {settings.ufs_url} is not usable: {e}"
                 raise ConfigError(msg) from None
-        self.kv = RocksKV(str(settings.cache_path / "meta"))
+        # the RocksDB stays where it always was (<cache>/meta: existing nodes keep theirs),
+        # with a reserve of room on that filesystem for it (acache.meta.reserve)
+        self.reserve = Reserve(str(settings.cache_path / "meta.reserve"), settings.meta_reserve)
+        self.kv = RocksKV(str(settings.cache_path / "meta"), self.reserve)
         self.meta = MetaStore(self.kv)
         self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
-                              settings.stall_timeout)
+                              settings.stall_timeout, reserve=self.reserve)
         self.persister = Persister(self.meta, self.cache, self.under, flush_delay=settings.flush_delay,
                                    concurrency=settings.upload_concurrency)
         self.cache.on_stall = lambda: self.persister.hurry(self.meta.last_seq())
@@ -64,6 +68,12 @@ class Node:
         if any(rec.values()):
             log.info("recovered after a crash: %s", rec)
         self.persister.start()
+        self.cache.start_monitor()
+        if self.cache.effective_limit() < self.cache.limit:
+            log.warning("the cache filesystem has room for %d MiB of cache only (its free space "
+                        "less the %d MiB metadata reserve), not the %d MiB of cache_size",
+                        self.cache.effective_limit() >> 20, settings.meta_reserve >> 20,
+                        self.cache.limit >> 20)
         self.engine = None
         self.engine_name = ""
         self.engine_why = ""
@@ -174,6 +184,10 @@ class Node:
         rel = self.rel(path)
         meta, p = self.meta, self.persister
         t0 = time.monotonic()
+        try:    # files closed while a metadata write failed are not journaled yet
+            self.vfs.journal_unjournaled()
+        except MetaError as e:
+            raise FlushError(f"cannot journal every closed file: {e}") from None
         with meta.lock:
             target = meta.last_seq()
             waiting_open = {ino for ino in self.vfs._wopen
@@ -238,6 +252,7 @@ class Node:
                 "passthrough": bool(self.engine and self.engine.passthrough_active),
                 "ufs": self.settings.ufs_url, "cache_dir": str(self.settings.cache_path),
                 "cache_used": c.used(), "cache_limit": c.limit, "dirty_bytes": c.dirty_bytes(),
+                "cache_limit_now": c.effective_limit(), "meta_reserve_held": self.reserve.held,
                 "dirty_files": dirty_files, "queue": len(journal),
                 "queue_bytes": sum(e.size for e in journal),
                 "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
@@ -260,16 +275,22 @@ class Node:
 
     # -- stop ---------------------------------------------------------------------------------
     def shutdown(self, flush: bool = True, timeout: float | None = None) -> dict:
+        """Stop.  Each step runs even if one before failed (a metadata store that fails its
+        writes must not keep the node up): what was acknowledged is in the KV already and
+        replays at the next start."""
         out = {"flushed": False, "left_dirty": 0}
         if flush:
             self.flush(None, timeout)
             out["flushed"] = True
         with self.meta.lock:
             out["left_dirty"] = self.meta.journal_len()
-        if self.engine is not None:
-            self.umount()
-        self.persister.stop()
-        self.meta.close()
-        self.under.close()
+        for what, step in (("unmounting", lambda: self.engine is not None and self.umount()),
+                           ("stopping the persister", self.persister.stop),
+                           ("closing the metadata", self.meta.close),
+                           ("closing the under-storage", self.under.close)):
+            try:
+                step()
+            except Exception as e:
+                log.error("%s failed while stopping: %s", what, e)
         self.stopping.set()
         return out

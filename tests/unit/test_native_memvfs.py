@@ -348,7 +348,7 @@ class MemVFS:
             self.violations.append(f"unknown fh {fh}")
             raise FsError(errno.EBADF) from None
 
-    def passthrough_fd(self, fh: int) -> int | None:
+    def passthrough_fd(self, fh: int, opening: bool = False) -> int | None:
         h = self._handle(fh)
         if not self.passthrough or h.ino in self.remote_inos:
             return None

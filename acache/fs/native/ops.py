@@ -97,7 +97,7 @@ class Ops:
 
     def _open_reply(self, ino: int, fh: int, flags: int) -> bytes:
         open_flags, backing_id = self.table.open(ino, fh, _writable(flags),
-                                                 lambda: self.vfs.passthrough_fd(fh))
+                                                 lambda: self.vfs.passthrough_fd(fh, True))
         return proto.OPEN_OUT.pack(fh, open_flags, backing_id)
 
     def _kill_suidgid(self, ino: int, req: Request, fh: int | None = None) -> None:
