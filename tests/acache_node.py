@@ -35,8 +35,12 @@ class AcacheNode:
         self.ufs = ufs or f"file://{self.ufs_dir}"
         self.engine = engine
         self.mnt.mkdir(parents=True, exist_ok=True)
+        # engine mode "native-nopt": the native engine with kernel passthrough off
+        mode = {"ACACHE_ENGINE": "native", "ACACHE_PASSTHROUGH": "0"} if engine == "native-nopt" \
+            else {"ACACHE_ENGINE": engine}
         self.env = dict(os.environ, ACACHE_HOME=str(self.home), ACACHE_FLUSH_DELAY=str(flush_delay),
-                        ACACHE_UFS=self.ufs, ACACHE_ENGINE=engine, **(extra_env or {}))
+                        ACACHE_UFS=self.ufs, **mode)
+        self.env.update(extra_env or {})
         if config is not None:
             self.home.mkdir(parents=True, exist_ok=True)
             (self.home / "config.toml").write_text(config)

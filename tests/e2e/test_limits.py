@@ -27,8 +27,11 @@ from pathlib import Path
 import pytest
 
 from tests.acache_node import AcacheNode, fuse_mounts
+from tests.e2e.conftest import ENGINES, engine_fixture
 
 MiB = 1 << 20
+
+engine = engine_fixture(ENGINES)    # native without passthrough: see the page-cache test
 
 
 def _data(name: str, size: int) -> bytes:
