@@ -24,6 +24,7 @@ import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any, Callable
 
 from acache.errors import ConfigError
 
@@ -114,7 +115,7 @@ def parse_bool(value: object, what: str) -> bool:
     raise ConfigError(f"{what}: expected true or false, not {value!r}")
 
 
-_CASTS = {
+_CASTS: dict[str, Callable[[Any], object]] = {
     "home": Path, "cache_dir": Path, "ufs": str, "engine": str, "log_level": str,
     "cache_size": lambda v: None if str(v) == "auto" else parse_size(v, "cache_size"),
     "passthrough": lambda v: parse_bool(v, "passthrough"),

@@ -182,8 +182,8 @@ class Txn:
             self.store.kv.write(self.puts, self.deletes, sync=sync)
         freed, self.freed = self.freed, []
         self.puts, self.deletes, self.dirty_inodes = {}, [], {}
-        for ino, gen in freed:
-            self.store.on_freed(ino, gen)
+        for freed_ino, gen in freed:
+            self.store.on_freed(freed_ino, gen)
 
 
 class MetaStore:

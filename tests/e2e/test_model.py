@@ -510,7 +510,7 @@ class Runner:
         names = [n for n, _ in self.OPS]
         weights = [w for _, w in self.OPS]
         try:
-            for self.step in range(self.nops):
+            for self.step in range(self.nops):   # noqa: B020 (the runner reports its step)
                 r = self.rng.random()
                 if r < 0.012:
                     self.start_bg_flush()

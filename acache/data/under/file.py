@@ -356,7 +356,7 @@ class FileStore:
         with self._errors("rmdir", path):
             try:
                 os.rmdir(full)
-            except (FileNotFoundError,):
+            except FileNotFoundError:
                 return
             except OSError as e:
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
