@@ -88,6 +88,13 @@ def _log(node: AcacheNode) -> str:
     return (node.home / "acache.log").read_text()
 
 
+def _wait_for_error(node: AcacheNode, timeout: float = 60) -> None:
+    """Until the persister has failed on the read-only under-storage (status shows it)."""
+    deadline = time.monotonic() + timeout
+    while "Read-only" not in (st := node.status())["last_error"]:
+        assert time.monotonic() < deadline, f"persisting never failed: {st}"
+
+
 def _blocked_syscall(tid: int) -> str | None:
     """The syscall a thread of this process sleeps in ("write", "openat", ...), None if
     it runs Python code (or waits for the GIL)."""
@@ -255,8 +262,7 @@ def test_outage_then_everything_lands(make_node):
         files["d/renamed.bin"] = files.pop("d/f0.bin")
         os.unlink(node.mnt / "d/f1.bin")
         del files["d/f1.bin"]
-        time.sleep(3)           # the persister keeps failing meanwhile
-        assert node.status()["last_error"]
+        _wait_for_error(node)   # the persister fails (and keeps retrying) meanwhile
         assert node.ufs_files() == {}
         fix()
     # no flush: it lands by itself (retried with backoff, for as long as it takes)
@@ -276,7 +282,7 @@ def test_flush_succeeds_as_soon_as_the_outage_ends(make_node):
     with read_only(node.ufs_dir) as fix:
         for name, data in files.items():
             _write(node.mnt / name, data)
-        time.sleep(2)
+        _wait_for_error(node)
         p = node.cli("flush", "--wait", "--timeout", "10", check=False, timeout=60)
         assert p.returncode != 0 and "Read-only" in p.stderr, p.stdout + p.stderr
         fix()
