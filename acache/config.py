@@ -355,15 +355,15 @@ def check_layout(s: Settings, mountpoint: str | None = None) -> None:
     The one exception is the default layout: cache and under-storage inside the state dir.
     A mount inside the under-storage would show itself; a cache inside it would be persisted;
     an under-storage inside the cache would be taken for cache files."""
-    places = [("state directory", s.home, s.source("home")),
+    places: list[tuple[str, Path, str]] = [("state directory", s.home, s.source("home")),
               ("cache directory", s.cache_path, s.source("cache_dir") if s.cache_dir else
                "default: <state directory>/cache")]
     ufs = _ufs_dir(s.ufs_url)
     if ufs is not None:
-        places.append(("under-storage", ufs, s.source("ufs") if s.ufs else
+        places.append(("under-storage", Path(ufs), s.source("ufs") if s.ufs else
                        "default: <state directory>/ufs"))
     if mountpoint is not None:
-        places.append(("mount point", mountpoint, "acache mount"))
+        places.append(("mount point", Path(mountpoint), "acache mount"))
     real = [(what, os.path.realpath(p), p, src) for what, p, src in places]
     for i, (a, ra, pa, sa) in enumerate(real):
         for b, rb, pb, sb in real[i + 1:]:
@@ -385,7 +385,7 @@ def _existing(path: Path) -> Path:
 
 def startup_warnings(s: Settings) -> list[str]:
     """Settings that work but probably not as meant (for the log and the terminal)."""
-    out = []
+    out: list[str] = []
     if s.cache_size is not None:
         where = _existing(s.cache_path)
         try:

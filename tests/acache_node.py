@@ -35,8 +35,12 @@ class AcacheNode:
         self.ufs = ufs or f"file://{self.ufs_dir}"
         self.engine = engine
         self.mnt.mkdir(parents=True, exist_ok=True)
+        # engine mode "native-nopt": the native engine with kernel passthrough off
+        mode = {"ACACHE_ENGINE": "native", "ACACHE_PASSTHROUGH": "0"} if engine == "native-nopt" \
+            else {"ACACHE_ENGINE": engine}
         self.env = dict(os.environ, ACACHE_HOME=str(self.home), ACACHE_FLUSH_DELAY=str(flush_delay),
-                        ACACHE_UFS=self.ufs, ACACHE_ENGINE=engine, **(extra_env or {}))
+                        ACACHE_UFS=self.ufs, **mode)
+        self.env.update(extra_env or {})
         if config is not None:
             self.home.mkdir(parents=True, exist_ok=True)
             (self.home / "config.toml").write_text(config)
@@ -88,16 +92,22 @@ class AcacheNode:
         except (AcacheError, OSError):
             return None
 
-    def kill9(self) -> None:
+    def kill9(self, must: bool = True) -> None:
+        """SIGKILL the running daemon and wait until it is gone; with ``must`` (a test's
+        crash), no daemon to kill is an error rather than a silent clean state."""
         pid = self.pid()
-        if pid:
-            os.kill(pid, signal.SIGKILL)
-            for _ in range(100):
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.05)
+        if not pid:
+            assert not must, f"kill -9: no daemon answers\n--- log ---\n{self.log_tail()}"
+            return
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+        assert not must, f"kill -9: the daemon (pid {pid}) is still there after 10 s"
 
     def restart(self) -> None:
         """After a crash: up again, mount again on the same (stale) path."""
@@ -110,7 +120,7 @@ class AcacheNode:
             self.cli("down", "--no-flush", check=False, timeout=60)
         except subprocess.TimeoutExpired:
             pass
-        self.kill9()
+        self.kill9(must=False)
         if str(self.mnt) in fuse_mounts():
             subprocess.run(["umount", "-l", str(self.mnt)], capture_output=True)
 

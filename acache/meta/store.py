@@ -213,8 +213,8 @@ class Txn:
                 raise MetaError(f"metadata write failed: {e}") from None
         freed, self.freed = self.freed, []
         self.puts, self.deletes, self.dirty_inodes, self.dropped = {}, [], {}, []
-        for ino, gen in freed:
-            self.store.on_freed(ino, gen)
+        for freed_ino, gen in freed:
+            self.store.on_freed(freed_ino, gen)
 
 
 class MetaStore:
@@ -384,12 +384,12 @@ class MetaStore:
                     self._inodes[ino] = cur
             self._children.clear()
             self._children.update(children)
-            journal = {}
-            for stored in entries:      # key order is seq order
-                cur = self._journal.get(stored.seq) or old_entries.get(stored.seq)
-                if cur is not None:
-                    cur.__dict__.update(stored.__dict__)
-                journal[stored.seq] = cur if cur is not None else stored
+            journal: dict[int, Entry] = {}
+            for entry in entries:       # key order is seq order
+                had = self._journal.get(entry.seq) or old_entries.get(entry.seq)
+                if had is not None:
+                    had.__dict__.update(entry.__dict__)
+                journal[entry.seq] = had if had is not None else entry
             self._journal.clear()
             self._journal.update(journal)
             self._of_ino.clear()

@@ -445,12 +445,15 @@ class CrashRig:
         return int(pids[-1])
 
     def kill(self) -> None:
+        """SIGKILL the daemon (it must be running), then wait until it is gone."""
         os.kill(self.daemon_pid, signal.SIGKILL)
-        for _ in range(200):
+        deadline = time.monotonic() + 10
+        while True:
             try:
                 os.kill(self.daemon_pid, 0)
             except ProcessLookupError:
                 return
+            assert time.monotonic() < deadline, f"daemon {self.daemon_pid} alive 10 s after SIGKILL"
             time.sleep(0.01)
 
     def _plan(self, step: int, layout: str, **kw) -> dict:

@@ -26,10 +26,13 @@ import pytest
 
 pytest.importorskip("torch", reason="the framework tests need torch (pip install -e .[torch])")
 
+from tests.e2e.conftest import ENGINES, engine_fixture  # noqa: E402
 from tests.e2e.frameworks import (UfsWatcher, assert_same_files, read_events,  # noqa: E402
                                   rmtree_excluder, run_workload, tree)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
+
+engine = engine_fixture(ENGINES)    # native-nopt: covered by the crash/model/contract/S3 suites
 
 
 _local_trees: dict[tuple[str, str], tuple] = {}

@@ -68,13 +68,13 @@ def _kill9(pid: int) -> float:
     returns when, then waits for the process to be gone."""
     os.kill(pid, signal.SIGKILL)
     t = time.time()
-    for _ in range(200):
+    while True:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            break
+            return t
+        assert time.time() < t + 10, f"daemon {pid} alive 10 s after SIGKILL"
         time.sleep(0.02)
-    return t
 
 
 def _log(path) -> str:
@@ -108,6 +108,7 @@ def test_kill9_during_save_and_persist(crash_node, tmp_path, framework):
             events, log = tmp_path / f"{sub}.events", tmp_path / f"{sub}.log"
             excluders[sub] = rmtree_excluder(events, sub)
             pid = node.pid()
+            assert pid, f"no daemon answers:\n{node.log_tail()}"
             p = start_workload(kind, node.mnt / sub, phase="crash", events=events, log=log)
             try:
                 t0 = wait_for_event(events, "save", 120, p)

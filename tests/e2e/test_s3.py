@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.acache_node import ACACHE, AcacheNode, fuse_mounts
-from tests.e2e.conftest import ENGINES
+from tests.e2e.conftest import ALL_ENGINES, ENGINES
 from tests.s3server import S3Server
 
 MiB = 1 << 20
@@ -147,7 +147,7 @@ def existing(srv):
     return pre, files
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ALL_ENGINES)
 def test_existing_objects_show_and_read(engine, existing, srv, nodes):
     pre, files = existing
     n = s3_node(nodes, srv, pre, engine=engine)
@@ -163,7 +163,7 @@ def test_existing_objects_show_and_read(engine, existing, srv, nodes):
 
 
 # -- persisting a checkpoint -------------------------------------------------------------------
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ALL_ENGINES)
 def test_checkpoint_lands_byte_identical(engine, srv, prefix, nodes):
     n = s3_node(nodes, srv, prefix, engine=engine, part_size=5 * MiB)
     ck = n.mnt / "ckpt" / "step-100"
@@ -317,7 +317,7 @@ def _since(srv: S3Server, mark: int) -> list[tuple[str, str, str, int]]:
     return srv.requests()[mark:]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ALL_ENGINES)
 def test_rename_persisted_file_and_directory(engine, srv, prefix, nodes):
     n = s3_node(nodes, srv, prefix, engine=engine)
     big = os.urandom(6 * MiB)
@@ -348,7 +348,7 @@ def test_rename_persisted_file_and_directory(engine, srv, prefix, nodes):
     assert mount_files(n.mnt) == want
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ALL_ENGINES)
 def test_unpersisted_rename_and_delete_cost_no_s3_request(engine, srv, prefix, nodes):
     n = s3_node(nodes, srv, prefix, engine=engine, flush_delay=30)
     os.listdir(n.mnt)                        # the root is listed once, before the mark
@@ -375,7 +375,7 @@ def test_unpersisted_rename_and_delete_cost_no_s3_request(engine, srv, prefix, n
 
 
 # -- cold reads --------------------------------------------------------------------------------
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ALL_ENGINES)
 def test_cold_random_reads_use_large_ranged_gets(engine, srv, prefix, nodes):
     size = 40 * MiB + 333
     data = random.Random(4).randbytes(size)

@@ -1,8 +1,12 @@
 """The VFS + journal rules + persister over an in-memory KV and under-store (no mount)."""
 import errno
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +21,7 @@ from acache.meta.kv_rocks import RocksKV
 from acache.meta.store import MetaStore
 
 CTX = Ctx()
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Rig:
@@ -249,22 +254,42 @@ def test_unknown_xattr_is_enodata_and_ours_is_read_only(rig):
     assert e.value.errno == errno.EPERM
 
 
-def test_crash_with_open_dirty_file_persists_it_after_restart(tmp_path):
-    state = MemState()
-    kv = RocksKV(str(tmp_path / "db"))
-    r = Rig(tmp_path, store=MemStore("mem://c", state=state), kv=kv, flush_delay=60)
+def crash_child(tmp: str) -> None:
+    """Run in a child process: a closed file and an open fsynced one, nothing persisted
+    (flush delay 60 s), then wait to be killed -9 with the file still open."""
+    from acache.data.under.file import FileStore
+    tmp_path = Path(tmp)
+    r = Rig(tmp_path, store=FileStore(f"file://{tmp_path / 'ufs'}"),
+            kv=RocksKV(str(tmp_path / "db")), flush_delay=60)
     r.write(ROOT_INO, b"closed", b"c" * 100)
     fh, attr = r.vfs.create(ROOT_INO, b"open", 0o644, os.O_WRONLY, CTX)
     r.vfs.write(fh, 0, b"o" * 50)
     r.vfs.fsync(fh, False)
-    r.p._stop = True                       # "kill -9": no flush, no clean shutdown
-    kv.close()
+    print("ready", flush=True)
+    sys.stdin.read()                       # killed here: no flush, no close of anything
+
+
+def test_crash_with_open_dirty_file_persists_it_after_restart(tmp_path):
+    from acache.data.under.file import FileStore
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tests.unit.test_vfs_journal import crash_child; "
+         "crash_child(sys.argv[1])", str(tmp_path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        assert child.stdout.readline().strip() == "ready"
+    finally:
+        child.kill()                       # a real kill -9 of the process holding it all
+        child.wait(10)
+    assert child.returncode == -signal.SIGKILL
+    assert not os.listdir(tmp_path / "ufs")
     kv2 = RocksKV(str(tmp_path / "db"))
-    r2 = Rig(tmp_path, store=MemStore("mem://c", state=state), kv=kv2)
+    r2 = Rig(tmp_path, store=FileStore(f"file://{tmp_path / 'ufs'}"), kv=kv2)
     try:
         assert r2.recovered["reopened"] == 1
         r2.drain()
-        assert r2.files() == {"closed": b"c" * 100, "open": b"o" * 50}
+        got = {p.name: p.read_bytes() for p in (tmp_path / "ufs").iterdir()}
+        assert got == {"closed": b"c" * 100, "open": b"o" * 50}
     finally:
         r2.stop()
         kv2.close()
@@ -291,6 +316,21 @@ def test_read_through_fetches_in_large_chunks(tmp_path):
         r.stop()
 
 
+def _passes_after_staged(p: Persister, path: str) -> threading.Event:
+    """An event set once the persister loop starts its second pass after the stage of
+    ``path`` finished: the first of them has then made (and carried out) its decision."""
+    ev, seen, real = threading.Event(), [0], p._schedule
+
+    def schedule():
+        if any(j.entry.path == path and j.done.is_set() for j in p.jobs.values()):
+            seen[0] += 1
+            if seen[0] >= 2:
+                ev.set()
+        return real()
+    p._schedule = schedule
+    return ev
+
+
 def test_reopen_of_big_pending_file_is_held_in_place_not_copied(tmp_path):
     r = Rig(tmp_path, flush_delay=5)
     try:
@@ -300,8 +340,11 @@ def test_reopen_of_big_pending_file_is_held_in_place_not_copied(tmp_path):
         r.write(ROOT_INO, b"marker", b"m")
         fh = r.vfs.open(a, os.O_WRONLY)
         assert sorted(os.listdir(r.cache.dir)) == [f"{a:x}.0", f"{a + 1:x}.0"]   # no copy
+        passes = _passes_after_staged(r.p, "marker")
         r.p.hurry(r.meta.last_seq())
-        time.sleep(0.3)
+        # the marker is staged (hurried), and a whole pass of the persister ran after
+        # that: it committed nothing, the held shard keeps the marker waiting
+        assert passes.wait(10), "the persister never ran a pass after staging the marker"
         assert [c for c in r.store.calls if c[0] == "commit"] == []   # the marker waits
         r.vfs.write(fh, 1000, b"B")
         r.vfs.flush(fh)
