@@ -164,8 +164,9 @@ class Node:
             return ""
         path = os.path.abspath(path)
         if self.mountpoint and (path == self.mountpoint or path.startswith(self.mountpoint + "/")):
-            return os.path.relpath(path, self.mountpoint).strip(".").strip("/") \
-                if path != self.mountpoint else ""
+            # path is absolute and normalised: the rest after the mount point is the
+            # relative path as is (a name may start or end with '.': '.metadata')
+            return path[len(self.mountpoint) + 1:] if path != self.mountpoint else ""
         raise ConfigError(f"{path} is not on the acache mount ({self.mountpoint or 'not mounted'})")
 
     # -- the barrier ------------------------------------------------------------------------
