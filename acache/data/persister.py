@@ -50,6 +50,7 @@ class Persister:
                  flush_delay: float = 1.0, concurrency: int = 4) -> None:
         self.meta, self.cache, self.under = meta, cache, under
         self.flush_delay = flush_delay
+        self.clock = meta.clock        # the clock of Entry.t (flush delay) and of retries
         self.lock = meta.lock
         self.cond = threading.Condition(self.lock)
         self.jobs: dict[int, Job] = {}
@@ -64,7 +65,7 @@ class Persister:
         # asked (under the lock) before a staged PUT commits: True when the VFS withdrew it
         # (its file was written after the close that journaled it)
         self.withdraw: Callable[[Entry], bool] = lambda e: False
-        self._retry_at: dict[int, float] = {}   # seq -> monotonic time of the next try
+        self._retry_at: dict[int, float] = {}   # seq -> self.clock() of the next try
         self._attempts: dict[int, int] = {}
         self.failed: dict[int, str] = {}        # seq -> permanent error message
         self.last_error = ""
@@ -186,7 +187,7 @@ class Persister:
 
     def _schedule(self) -> float:
         """Start stages that are due; return how long to sleep at most."""
-        now = time.monotonic()
+        now = self.clock()
         wake = 1.0
         staging = sum(1 for j in self.jobs.values() if j.state == "staging")
         moved: list[str] = []    # paths an earlier mkdir/rename/delete/rmdir still has to change
@@ -222,7 +223,7 @@ class Persister:
                    for p in (head.path, head.dst) if p):
                 return False    # a cancelled stage still has its temp file in there: moving
                                 # or removing the directory now would leave it behind
-            return self._eligible_at(head) <= time.monotonic()
+            return self._eligible_at(head) <= self.clock()
         job = self.jobs.get(head.seq)
         return job is not None and job.done.is_set()
 
@@ -396,7 +397,7 @@ class Persister:
                 log.error("persisting %s %s failed permanently (data kept, retried every %.0fs "
                           "and on flush): %s", e.op, e.path, delay, err)
                 self.last_error = f"{e.op} {e.path}: {err}"
-            self._retry_at[e.seq] = time.monotonic() + delay
+            self._retry_at[e.seq] = self.clock() + delay
             self.cond.notify_all()
         if e.op == "put" and e.token:
             token = e.token

@@ -21,7 +21,7 @@ import stat as st
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import msgpack
 
@@ -78,7 +78,9 @@ class Entry:
     ino: int = 0
     gen: int = 0
     size: int = 0
-    t: float = 0.0            # when it was journaled (flush delay counts from here)
+    t: float = 0.0            # when it was journaled, on MetaStore.clock (flush delay counts
+                              # from here): in memory only, never stored (a process-local
+                              # clock means nothing after a restart or a reboot)
     token: str = ""           # a stage in progress (cleaned up after a crash)
     inos: list = field(default_factory=list)
     replaces: bool = False    # put/mkdir landing on the object of a file/dir it replaced by
@@ -87,11 +89,15 @@ class Entry:
                               # place but waits for the next close (journal.hold_put)
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True, unicode_errors=_NAMES)
+        d = asdict(self)
+        del d["t"]
+        return msgpack.packb(d, use_bin_type=True, unicode_errors=_NAMES)
 
     @classmethod
-    def unpack(cls, raw: bytes) -> "Entry":
-        return cls(**msgpack.unpackb(raw, raw=False, unicode_errors=_NAMES))
+    def unpack(cls, raw: bytes, t: float = 0.0) -> "Entry":
+        d = msgpack.unpackb(raw, raw=False, unicode_errors=_NAMES)
+        d["t"] = t                # records of older versions stored one: ignored
+        return cls(**d)
 
     def touches(self, prefix: str) -> bool:
         """Does this entry change anything at or under ``prefix`` ('' = all)?"""
@@ -142,7 +148,7 @@ class Txn:
     def append(self, **kw) -> Entry:
         s = self.store
         s._next_seq += 1
-        e = Entry(seq=s._next_seq, t=time.monotonic(), **kw)
+        e = Entry(seq=s._next_seq, t=s.clock(), **kw)
         s._journal[e.seq] = e
         log.debug("journal +%d %s %s%s (ino %d gen %d)", e.seq, e.op, e.path,
                   f" -> {e.dst}" if e.dst else "", e.ino, e.gen)
@@ -189,8 +195,11 @@ class Txn:
 class MetaStore:
     """The namespace + journal.  Callers hold ``lock`` around reads and txns."""
 
-    def __init__(self, kv: KV) -> None:
+    def __init__(self, kv: KV, clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
+        # when entries were journaled, for the flush delay (the persister uses this clock
+        # too); entries found at start count as journaled now: eligible after flush_delay
+        self.clock = clock
         self.lock = threading.RLock()
         self._inodes: dict[int, Inode] = {}
         self._children: dict[int, dict[bytes, int]] = {}
@@ -211,7 +220,7 @@ class MetaStore:
             parent = K.from_u64(k[1:9])
             self._children.setdefault(parent, {})[k[9:]] = K.from_u64(v)
         for _, v in kv.scan(K.JOURNAL_PREFIX):
-            e = Entry.unpack(v)
+            e = Entry.unpack(v, t=clock())
             self._journal[e.seq] = e
             self._index(e)
         if ROOT_INO not in self._inodes:
