@@ -72,7 +72,9 @@ def _start_background(s: config.Settings, argv: list[str]) -> None:
     if is_running(s.socket_path):
         return
     s.home.mkdir(parents=True, exist_ok=True)
-    log = open(s.log_path, "ab")
+    # 0600: the log names files of private directories
+    log = os.fdopen(os.open(s.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+    os.fchmod(log.fileno(), 0o600)
     start = log.tell()
     env = dict(os.environ, ACACHE_HOME=str(s.home))
     proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "up", "--foreground", *argv],
@@ -190,6 +192,9 @@ def flush(path: Optional[Path] = typer.Argument(None, help="Only what is under t
                             files=info["files_left"] + info["open_files"])
             res = c.flush(p, timeout, on_progress)
     out.print(f"flushed in {res['seconds']:.2f}s: everything written before is in the under-storage")
+    if res.get("lost_found"):
+        err.print(f"[yellow]warning:[/] {res['lost_found']} cache files the metadata did not know "
+                  "are kept in lost+found (see `acache status`)")
 
 
 # -- status ---------------------------------------------------------------------------------
@@ -214,6 +219,10 @@ def status(path: Optional[Path] = typer.Argument(None, help="Show each file's st
     t.add_row("rate", f"{_human(st['rate'])}/s; persisted {st['persisted_files']} files, "
               f"{_human(st['persisted_bytes'])} since start")
     t.add_row("last error", f"[red]{st['last_error']}[/]" if st["last_error"] else "-")
+    if st.get("lost_found_files"):
+        t.add_row("lost+found", f"[red]{st['lost_found_files']} files, "
+                  f"{_human(st['lost_found_bytes'])} in {st['lost_found_dir']}[/] (cache files "
+                  "the metadata did not know at start: data of files the mount does not show)")
     out.print(t)
     if path is not None:
         ft = Table(title=f"files under {path}")

@@ -13,6 +13,7 @@ stager threads.  All bookkeeping is under the MetaStore lock.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -227,7 +228,28 @@ class Persister:
         job = self.jobs.get(head.seq)
         return job is not None and job.done.is_set()
 
+    def _cache_problem(self, e: Entry) -> str:
+        """Why the cache file of a PUT cannot be what was acknowledged ('' if it can)."""
+        path = self.cache.path(e.ino, e.gen)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            size = -1
+        if size >= e.size:
+            return ""
+        what = "missing" if size < 0 else f"short ({size} of {e.size} bytes)"
+        return (f"cache file {what}: {path}; nothing is uploaded from it (restore it, or "
+                f"`acache journal skip {e.seq}` to give this entry up)")
+
     def _start_stage(self, e: Entry) -> None:
+        problem = self._cache_problem(e)
+        if problem:    # never upload less than was acknowledged (an empty file over a good copy)
+            if self.failed.get(e.seq) != problem:
+                log.error("persisting put %s failed: %s", e.path, problem)
+            self.failed[e.seq] = problem
+            self.last_error = f"put {e.path}: {problem}"
+            self._retry_at[e.seq] = self.clock() + 60.0   # checked again then, and on flush
+            return
         self.failed.pop(e.seq, None)     # a new attempt: its last failure is history
         txn = self.meta.txn()
         if e.token:                      # an earlier attempt's leftovers may remain

@@ -324,6 +324,7 @@ class FileOps:
             if node.nlink > 0:
                 journal.journal_put(self.meta, txn, self.persister, node)
         node.dirty = False
+        node.synced = -1                     # the close acknowledges it whole
         self._sig[h.ino] = sig
         txn.save(node)
         txn.commit()
@@ -375,6 +376,7 @@ class FileOps:
                 s = os.fstat(h.fd)
                 node.size = s.st_size
                 node.mtime_ns = max(node.mtime_ns, s.st_mtime_ns)
+                node.synced = s.st_size   # acknowledged: recovery publishes at least this
             txn = self.meta.txn()
             txn.save(node)
             txn.commit(sync=True)

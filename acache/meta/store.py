@@ -52,6 +52,8 @@ class Inode:
     upath: str | None = None  # where the under-storage holds its committed data
     listed: bool = False      # dirs: under-storage children merged in
     node: str = "local"       # placement: the worker holding the cache file
+    synced: int = -1          # size acknowledged by the last fsync while open for writing
+                              # (-1: none since the last close); recovery checks against it
 
     @property
     def is_dir(self) -> bool:
@@ -311,6 +313,10 @@ class MetaStore:
 
     def last_seq(self) -> int:
         return self._next_seq
+
+    def last_ino(self) -> int:
+        """The highest inode number ever allocated (as far as the KV recorded)."""
+        return self._next_ino
 
     # -- allocation --------------------------------------------------------------
     def new_inode(self, txn: Txn, **kw) -> Inode:

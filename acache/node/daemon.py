@@ -204,7 +204,8 @@ class Node:
                         "open_files": len(waiting_open), "total_bytes": total_bytes,
                         "rate": p.rate(), "last_error": p.last_error}
                 if not pending and not waiting_open:
-                    return {"ok": True, "seconds": time.monotonic() - t0}
+                    return {"ok": True, "seconds": time.monotonic() - t0,
+                            "lost_found": self.cache.lost_found()[0]}
                 if failed and time.monotonic() - t0 > 1.0:
                     e, msg = failed[0]
                     raise FlushError(f"{e.op} {e.path} failed: {msg} ({len(pending)} entries not "
@@ -245,6 +246,10 @@ class Node:
                 "failed": len(p.failed), "stalls": c.stalls,
                 "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
             }
+        # cache files the metadata did not know at start (listed outside the lock)
+        out["lost_found_files"], out["lost_found_bytes"] = c.lost_found()
+        out["lost_found_dir"] = c.lost_dir
+        with meta.lock:
             if path is not None:
                 rel = self.rel(path)
                 files = []
