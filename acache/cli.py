@@ -192,6 +192,10 @@ def flush(path: Optional[Path] = typer.Argument(None, help="Only what is under t
                             files=info["files_left"] + info["open_files"])
             res = c.flush(p, timeout, on_progress)
     out.print(f"flushed in {res['seconds']:.2f}s: everything written before is in the under-storage")
+    if res.get("unacknowledged"):
+        err.print(f"[yellow]warning:[/] {res['unacknowledged']} files were open for writing at a "
+                  "crash and never fsynced: kept in the cache, not persisted until closed again "
+                  "(`acache status PATH`)")
     if res.get("lost_found"):
         err.print(f"[yellow]warning:[/] {res['lost_found']} cache files the metadata did not know "
                   "are kept in lost+found (see `acache status`)")
@@ -229,9 +233,13 @@ def status(path: Optional[Path] = typer.Argument(None, help="Show each file's st
         ft.add_column("path")
         ft.add_column("state")
         ft.add_column("size", justify="right")
-        colors = {"dirty": "yellow", "persisting": "cyan", "persisted": "green", "failed": "red"}
+        colors = {"dirty": "yellow", "persisting": "cyan", "persisted": "green", "failed": "red",
+                  "unacknowledged": "red"}
         for f in st.get("files", []):
-            ft.add_row(f["path"], f"[{colors[f['state']]}]{f['state']}[/]", _human(f["size"]))
+            state = f"[{colors.get(f['state'], 'red')}]{f['state']}[/]"
+            if f.get("note"):
+                state += f" ({f['note']})"
+            ft.add_row(f["path"], state, _human(f["size"]))
         out.print(ft)
 
 

@@ -325,6 +325,7 @@ class FileOps:
                 journal.journal_put(self.meta, txn, self.persister, node)
         node.dirty = False
         node.synced = -1                     # the close acknowledges it whole
+        node.local = ""
         self._sig[h.ino] = sig
         txn.save(node)
         txn.commit()

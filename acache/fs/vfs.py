@@ -387,6 +387,8 @@ class VFS(FileOps):
     def state(self, node: Inode) -> str:
         if node.dirty:
             return "dirty"
+        if node.local:
+            return "unacknowledged"
         kinds = self.meta.entries_of(node.ino, "put", "mkdir")
         kinds += self.meta.moves_of(node.ino)     # not under its current name until these land
         if any(e.seq in self.persister.failed for e in kinds):
@@ -423,7 +425,7 @@ class VFS(FileOps):
                 return
             if node is not None and node.gen == gen:
                 if not node.dirty and not self.meta.puts_of(ino) and node.upath is not None \
-                        and node.cached:
+                        and node.cached and not node.local:
                     self.cache.note(ino, gen, dirty=False)
                 return
             if self.cache.is_open(ino, gen):
@@ -434,7 +436,7 @@ class VFS(FileOps):
     def _evict(self, ino: int, gen: int) -> bool:
         with self.lock:
             node = self.meta.get(ino)
-            if node is None or node.gen != gen or node.dirty or self.meta.puts_of(ino) \
+            if node is None or node.gen != gen or node.dirty or node.local or self.meta.puts_of(ino) \
                     or node.upath is None or self.cache.is_open(ino, gen) or self._opens.get(ino):
                 return False
             node.cached = False
@@ -505,7 +507,7 @@ class VFS(FileOps):
                     out["removed"] += 1
                 else:
                     clean = current and not pending and not self.meta.puts_of(ino) \
-                        and node.upath is not None
+                        and node.upath is not None and not node.local
                     self.cache.note(ino, gen, dirty=not clean)
             if lost:
                 out["lost+found"] = len(lost)
@@ -516,7 +518,30 @@ class VFS(FileOps):
         return out
 
     def _recover_dirty(self, txn, node: Inode) -> None:
-        """A file open for writing when the node died: journal what was acknowledged."""
+        """A file open for writing when the node died: journal what was acknowledged.
+        Fsynced since it was opened: published (at least the fsynced bytes; what a local
+        disk would keep).  Never fsynced: nothing of what it holds was acknowledged, so it
+        is not published as if complete; it stays in the cache as it is, shown
+        'unacknowledged', and the under-storage keeps its last closed version (a PUT of it
+        that is still pending lands; one held for this writer is withdrawn, its bytes
+        were being changed in place)."""
+        if node.synced < 0:
+            for e in self.meta.puts_of(node.ino):
+                if e.gen == node.gen and self.persister.state(e.seq) != "committing":
+                    txn.remove_entry(e.seq)    # held for this writer: its bytes changed
+            try:
+                s = os.stat(self.cache.path(node.ino, node.gen))
+                node.size, node.mtime_ns = s.st_size, max(node.mtime_ns, s.st_mtime_ns)
+            except FileNotFoundError:
+                self.cache.create_empty(node.ino, node.gen)
+                node.size = 0
+            node.dirty, node.cached = False, True
+            node.local = "unacknowledged (crash while open for writing, never fsynced)"
+            log.warning("%s was open for writing at a crash and never fsynced: kept in the cache "
+                        "as it is (%d bytes), not published; close it again to persist it",
+                        self.meta.path_of(node.ino), node.size)
+            txn.save(node)
+            return
         try:
             s = os.stat(self.cache.path(node.ino, node.gen))
             size, mtime = s.st_size, s.st_mtime_ns

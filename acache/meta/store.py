@@ -12,6 +12,9 @@ Write-back states of a file (the durability rule of each):
   persisting  its PUT is being staged/committed to the under-storage.
   persisted   the under-storage holds its current content at `upath`.
   failed      the under-storage refused it permanently; retried, data kept.
+  unacknowledged  open for writing at a crash and never fsynced since: what it holds
+              was never acknowledged, so it is kept in the cache (`local` says why)
+              and not published until it is closed again (VFS._recover_dirty).
 """
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ class Inode:
     node: str = "local"       # placement: the worker holding the cache file
     synced: int = -1          # size acknowledged by the last fsync while open for writing
                               # (-1: none since the last close); recovery checks against it
+    local: str = ""           # why the cache holds content that is not journaled (a crash
+                              # while open for writing, never fsynced): kept, never evicted,
+                              # never published until the file is closed again
 
     @property
     def is_dir(self) -> bool:

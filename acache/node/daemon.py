@@ -205,7 +205,9 @@ class Node:
                         "rate": p.rate(), "last_error": p.last_error}
                 if not pending and not waiting_open:
                     return {"ok": True, "seconds": time.monotonic() - t0,
-                            "lost_found": self.cache.lost_found()[0]}
+                            "lost_found": self.cache.lost_found()[0],
+                            "unacknowledged": sum(1 for n in meta.inodes() if n.local
+                                                  and self._under(meta.path_of(n.ino), rel))}
                 if failed and time.monotonic() - t0 > 1.0:
                     e, msg = failed[0]
                     raise FlushError(f"{e.op} {e.path} failed: {msg} ({len(pending)} entries not "
@@ -259,7 +261,7 @@ class Node:
                     fp = meta.path_of(n.ino)
                     if self._under(fp, rel):
                         files.append({"path": fp, "state": self.vfs.state(n),
-                                      "size": self.vfs.attr(n).size})
+                                      "size": self.vfs.attr(n).size, "note": n.local})
                 out["files"] = sorted(files, key=lambda f: f["path"])
         return out
 
