@@ -243,6 +243,49 @@ def status(path: Optional[Path] = typer.Argument(None, help="Show each file's st
         out.print(ft)
 
 
+# -- journal --------------------------------------------------------------------------------
+journal_app = typer.Typer(add_completion=False, invoke_without_command=True,
+                          help="The persist queue: list pending entries, skip one that can never succeed.")
+app.add_typer(journal_app, name="journal")
+
+
+@journal_app.callback()
+def journal(ctx: typer.Context,
+            limit: int = typer.Option(100, help="Show at most this many (the oldest first)."),
+            as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+            home: Optional[Path] = HomeOpt) -> None:
+    """List the pending journal entries, oldest first: seq, op, path, state, error."""
+    if ctx.invoked_subcommand is not None:
+        return
+    s = _settings(home)
+    with Client(s.socket_path) as c:
+        res = c.call("journal", limit=limit)
+    if as_json:
+        out.print_json(json.dumps(res))
+        return
+    t = Table(title=f"journal: {res['total']} entries pending"
+              + (f" (the oldest {len(res['entries'])} shown)" if res["total"] > len(res["entries"]) else ""))
+    for col in ("seq", "op", "path", "state", "error"):
+        t.add_column(col, justify="right" if col == "seq" else "left", overflow="fold")
+    for e in res["entries"]:
+        path = f"{e['path']} -> {e['dst']}" if e["dst"] else e["path"]
+        state = f"[red]{e['state']}[/]" if e["state"] == "failed" else e["state"]
+        t.add_row(str(e["seq"]), e["op"], path, state, e["error"] or "")
+    out.print(t)
+
+
+@journal_app.command("skip")
+def journal_skip(seq: int = typer.Argument(..., help="The entry's seq (see `acache journal`)."),
+                 reason: str = typer.Option(..., "--reason", help="Why it can never succeed (logged)."),
+                 home: Optional[Path] = HomeOpt) -> None:
+    """Drop one entry that can never succeed; everything after it keeps its order."""
+    s = _settings(home)
+    with Client(s.socket_path) as c:
+        res = c.call("journal_skip", seq=seq, reason=reason)
+    what = f"{res['path']} -> {res['dst']}" if res["dst"] else res["path"]
+    out.print(f"skipped journal entry {res['seq']}: {res['op']} {what}")
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)

@@ -24,7 +24,7 @@ from typing import Callable
 
 from acache.data.cache import CacheDir
 from acache.data.under.base import Staged, UnderStore
-from acache.errors import UnderStoreError
+from acache.errors import ConfigError, UnderStoreError
 from acache.meta.store import Entry, MetaStore
 
 log = logging.getLogger("acache.persister")
@@ -340,7 +340,12 @@ class Persister:
                 raise UnderStoreError(f"staging {e.path}: {err}", retryable=True)
             job.staged.commit()
         elif e.op == "rename":
-            self.under.rename(e.path, e.dst)
+            try:
+                self.under.rename(e.path, e.dst)
+            except UnderStoreError as err:
+                if err.retryable or not self._source_gone(e):
+                    raise
+                self._rebuild(e, err)
         elif e.op == "delete":
             self.under.delete(e.path)
         elif e.op == "mkdir":
@@ -351,6 +356,114 @@ class Persister:
                   f" -> {e.dst}" if e.dst else "", e.ino, e.gen)
         with self.lock:
             self._done(e)
+
+    # -- a rename whose source another tool removed from the under-storage --------------
+    def _source_gone(self, e: Entry) -> bool:
+        return self.under.stat(e.path) is None and self.under.stat(e.dst) is None
+
+    def _rebuild(self, e: Entry, err: UnderStoreError) -> None:
+        """Apply RENAME ``e`` whose source is gone from the under-storage (removed by another
+        tool): what it moves is written at the destination from the cache instead, at the
+        rename's place in the order (directories, then files).  Files that will land anyway
+        (a later PUT, open for writing) are left to that.  If any file's data is not in
+        the cache, nothing is done: the entry fails permanently, for the operator to see
+        (`acache journal`) and skip."""
+        dirs, files, missing = [], [], []
+        with self.lock:
+            for ino in e.inos:
+                n = self.meta.get(ino)
+                if n is None or n.upath is None or not (
+                        n.upath == e.path or n.upath.startswith(e.path + "/")):
+                    continue
+                dst = e.dst + n.upath[len(e.path):]
+                if n.is_dir:
+                    dirs.append(dst)
+                elif self.meta.puts_of(ino) or n.dirty or n.local:
+                    continue            # its own PUT (or the next close) lands it
+                elif not n.cached or self._cache_problem(
+                        Entry(seq=0, op="put", path=dst, ino=ino, gen=n.gen, size=n.size)):
+                    missing.append(n.upath)
+                else:
+                    files.append((dst, ino, n.gen, n.size))
+            if missing:
+                raise UnderStoreError(
+                    f"{err}: it was removed from the under-storage, and {len(missing)} of the "
+                    f"files it moves are not in the cache to write them again (e.g. "
+                    f"{missing[0]!r}); `acache journal skip {e.seq} --reason ...` gives it up",
+                    retryable=False)
+            for _, ino, gen, _ in files:    # kept from eviction until written
+                self.cache.acquire(ino, gen)
+        try:
+            for d in sorted(dirs, key=lambda p: p.count("/")):
+                self.under.mkdir(d)
+            for dst, ino, gen, size in files:
+                token = self.under.new_token(dst)
+                with self.lock:
+                    txn = self.meta.txn()
+                    txn.orphan_stage(token)   # cleaned at restart if we die mid-way
+                    txn.commit()
+                self.under.stage(dst, token, self.cache.path(ino, gen), size).commit()
+                with self.lock:
+                    txn = self.meta.txn()
+                    txn.forget_stage(token)
+                    txn.commit()
+        finally:
+            for _, ino, gen, _ in files:
+                self.cache.release(ino, gen)
+        log.warning("rename %s -> %s: the source was gone from the under-storage (removed by "
+                    "another tool?); wrote %d files and %d directories at %s again from the cache",
+                    e.path, e.dst, len(files), len(dirs), e.dst)
+
+    # -- the operator's view of the journal --------------------------------------------
+    def entries(self, limit: int = 100) -> tuple[int, list[dict]]:
+        """(pending entries, the ``limit`` oldest as dicts) for `acache journal`."""
+        with self.lock:
+            out = []
+            for e in self.meta.head(limit):
+                state = self.state(e.seq) or ("held" if e.hold else "pending")
+                job = self.jobs.get(e.seq)
+                if state == "staging" and job is not None and job.done.is_set() \
+                        and job.error is None:
+                    state = "staged"     # uploaded, waiting for its turn to commit
+                if e.seq in self.failed:
+                    state = "failed"
+                elif e.seq in self._retry_at and state == "pending":
+                    state = "retrying"
+                out.append({"seq": e.seq, "op": e.op, "path": e.path, "dst": e.dst,
+                            "size": e.size, "state": state, "error": self.failed.get(e.seq, "")})
+            return self.meta.journal_len(), out
+
+    def skip(self, seq: int, reason: str) -> dict:
+        """The operator gives up entry ``seq`` (it can never succeed): it is dropped from
+        the journal, everything after it keeps its order; recorded with the reason.  A
+        skipped PUT's file stays in the cache, shown as not persisted."""
+        with self.lock:
+            e = self.meta.entry(seq)
+            if e is None:
+                raise ConfigError(f"no pending journal entry {seq} (see `acache journal`)")
+            if self.state(seq) == "committing":
+                raise ConfigError(f"journal entry {seq} is being applied right now; try again")
+            if seq in self.jobs:
+                self.abort(seq)
+            txn = self.meta.txn()
+            txn.remove_entry(seq)
+            txn.record_skip(e, reason)
+            if e.op == "put":
+                node = self.meta.get(e.ino)
+                if node is not None and node.gen == e.gen and not node.dirty:
+                    node.local = f"not persisted: journal entry {seq} skipped ({reason})"
+                    txn.save(node)
+                else:
+                    txn.freed.append((e.ino, e.gen))
+            txn.commit(sync=True)
+            for d in (self._retry_at, self.failed, self._attempts):
+                d.pop(seq, None)
+            if not self.failed and not self._retry_at:
+                self.last_error = ""
+            log.warning("journal entry %d (%s %s%s) skipped by the operator: %s", seq, e.op, e.path,
+                        f" -> {e.dst}" if e.dst else "", reason)
+            self.cond.notify_all()
+            return {"seq": seq, "op": e.op, "path": e.path, "dst": e.dst}
 
     def _done(self, e: Entry) -> None:
         """Entry ``e`` is now in the under-storage (called under the lock)."""

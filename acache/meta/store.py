@@ -182,6 +182,12 @@ class Txn:
         """No entry holds ``token`` any more: remember it until its leftovers are gone."""
         self.puts[K.stage_key(token)] = b""
 
+    def record_skip(self, e: Entry, reason: str) -> None:
+        """The operator gave up entry ``e`` (kept as a record, not in the journal)."""
+        self.puts[K.skipped_key(e.seq)] = msgpack.packb(
+            {"op": e.op, "path": e.path, "dst": e.dst, "reason": reason, "time": time.time()},
+            use_bin_type=True, unicode_errors=_NAMES)
+
     def forget_stage(self, token: str) -> None:
         """``token``'s stage was committed or cleaned up."""
         key = K.stage_key(token)

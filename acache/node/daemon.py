@@ -265,6 +265,17 @@ class Node:
                 out["files"] = sorted(files, key=lambda f: f["path"])
         return out
 
+    # -- the journal, for the operator --------------------------------------------------------
+    def journal(self, limit: int = 100) -> dict:
+        total, entries = self.persister.entries(max(1, int(limit)))
+        return {"total": total, "entries": entries}
+
+    def journal_skip(self, seq: int, reason: str) -> dict:
+        reason = (reason or "").strip()
+        if not reason:
+            raise ConfigError("say why the entry is skipped: --reason \"...\"")
+        return self.persister.skip(int(seq), reason)
+
     # -- stop ---------------------------------------------------------------------------------
     def shutdown(self, flush: bool = True, timeout: float | None = None) -> dict:
         out = {"flushed": False, "left_dirty": 0}

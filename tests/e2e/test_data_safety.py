@@ -175,3 +175,56 @@ def test_unclosed_unsynced_file_is_not_published_after_a_crash(crash_node):
         pass
     n.flush(timeout=60)
     assert n.ufs_files()["unclosed"] == (n.mnt / "unclosed").read_bytes()
+
+
+@pytest.mark.e2e
+def test_rename_whose_source_another_tool_removed_does_not_wedge(make_node):
+    """run1 is persisted and renamed to run1-old on the mount; before the rename lands,
+    another tool removes run1 from the under-storage: the rename is applied by writing
+    run1-old from the cache, and later files land after it."""
+    import shutil
+    n = make_node(flush_delay=3600)
+    (n.mnt / "run1" / "sub").mkdir(parents=True)
+    data = {"run1/a": os.urandom(5000), "run1/sub/b": os.urandom(70_000)}
+    for p, b in data.items():
+        (n.mnt / p).write_bytes(b)
+    n.flush(timeout=60)
+    os.rename(n.mnt / "run1", n.mnt / "run1-old")
+    shutil.rmtree(n.ufs_dir / "run1")
+    (n.mnt / "after").write_bytes(b"later")
+    n.flush(timeout=60)
+    ufs = n.ufs_files()
+    assert ufs == {"run1-old/a": data["run1/a"], "run1-old/sub/b": data["run1/sub/b"],
+                   "after": b"later"}
+    assert n.status()["failed"] == 0
+    assert "source was gone" in (n.home / "acache.log").read_text()
+
+
+@pytest.mark.e2e
+def test_journal_lists_and_skips_an_entry_that_can_never_succeed(make_node):
+    """A pending file whose cache file was removed: `acache journal` shows its PUT failed
+    with the reason, `acache journal skip SEQ --reason` drops it; later files land."""
+    n = make_node(flush_delay=3600)
+    (n.mnt / "lost").write_bytes(os.urandom(4000))
+    (n.mnt / "after").write_bytes(b"later")
+    for p in (n.home / "cache" / "data").iterdir():
+        if p.stat().st_size == 4000:
+            p.unlink()
+    p = n.cli("flush", "--wait", "--timeout", "20", check=False)
+    assert p.returncode != 0 and "cache file missing" in p.stderr
+    import json
+    res = json.loads(n.cli("journal", "--json").stdout)
+    assert [(e["op"], e["path"], e["state"]) for e in res["entries"]][:1] == \
+        [("put", "lost", "failed")]
+    assert [(e["path"], e["state"] in ("staging", "staged")) for e in res["entries"][1:]] == \
+        [("after", True)]     # uploaded in parallel, committed only after "lost"
+    assert "cache file missing" in res["entries"][0]["error"]
+    assert "lost" in n.cli("journal").stdout
+    p = n.cli("journal", "skip", str(res["entries"][0]["seq"]), check=False)
+    assert p.returncode != 0     # --reason is required
+    n.cli("journal", "skip", str(res["entries"][0]["seq"]), "--reason", "deleted by hand")
+    n.flush(timeout=60)
+    assert n.ufs_files() == {"after": b"later"}
+    assert "skipped by the operator: deleted by hand" in (n.home / "acache.log").read_text()
+    st = {f["path"]: f for f in n.status(str(n.mnt))["files"]}
+    assert st["lost"]["state"] == "unacknowledged" and "skipped" in st["lost"]["note"]

@@ -39,3 +39,61 @@ def test_pending_entries_start_within_flush_delay_after_a_reboot(tmp_path):
         assert r2.files() == {"shard": b"x" * 1000}
     finally:
         r2.stop()
+
+
+def _poll(cond, timeout=20):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_rename_of_a_removed_source_not_in_the_cache_fails_and_can_be_skipped(tmp_path):
+    """The source of a pending rename was removed from the under-storage by another tool
+    and the file's data is no longer in the cache: the rename fails permanently with the
+    reason (no wedge without a way out); skipping it lets everything after it land."""
+    r = Rig(tmp_path, flush_delay=5)
+    try:
+        d = r.mkdir(ROOT_INO, b"d")
+        x = r.write(d, b"x", b"x" * 1000)
+        r.drain()
+        assert r.vfs._evict(x, 0)                  # only the under-storage has it now
+        r.vfs.rename(ROOT_INO, b"d", ROOT_INO, b"e", 0)
+        with r.store.state.lock:
+            r.store.state.files.pop("d/x")
+            r.store.state.dirs.pop("d", None)
+        r.write(ROOT_INO, b"after", b"later")
+        r.p.hurry(r.meta.last_seq())
+        _poll(lambda: r.p.failed)
+        total, entries = r.p.entries()
+        assert total == 2 and [(e["op"], e["state"]) for e in entries] == \
+            [("rename", "failed"), ("put", entries[1]["state"])]
+        assert "not in the cache" in entries[0]["error"] and "journal skip" in entries[0]["error"]
+        with pytest.raises(Exception):
+            r.p.skip(12345, "no such entry")
+        r.p.skip(entries[0]["seq"], "removed by hand")
+        r.drain()
+        assert r.files() == {"after": b"later"}
+        assert r.p.failed == {} and r.p.last_error == ""
+    finally:
+        r.stop()
+
+
+def test_rename_of_a_removed_source_is_written_again_from_the_cache(tmp_path):
+    r = Rig(tmp_path, flush_delay=5)
+    try:
+        d = r.mkdir(ROOT_INO, b"d")
+        r.mkdir(d, b"sub")
+        r.write(d, b"x", b"x" * 1000)
+        r.drain()
+        r.vfs.rename(ROOT_INO, b"d", ROOT_INO, b"e", 0)
+        with r.store.state.lock:
+            r.store.state.files.pop("d/x")
+            for k in [k for k in r.store.state.dirs if k == "d" or k.startswith("d/")]:
+                r.store.state.dirs.pop(k)
+        r.write(ROOT_INO, b"after", b"later")
+        r.drain()
+        assert r.files() == {"e/x": b"x" * 1000, "after": b"later"}
+        assert "e/sub" in r.store.state.dirs
+    finally:
+        r.stop()
