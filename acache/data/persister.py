@@ -508,6 +508,7 @@ class Persister:
         self.cond.notify_all()
 
     def _failed(self, e: Entry, err: UnderStoreError) -> None:
+        staged = None
         with self.lock:
             if self.meta.entry(e.seq) is None:   # cancelled meanwhile: nothing to retry
                 self.jobs.pop(e.seq, None)
@@ -516,11 +517,7 @@ class Persister:
             n = self._attempts.get(e.seq, 0) + 1
             self._attempts[e.seq] = n
             job = self.jobs.pop(e.seq, None)
-            if job is not None and job.staged is not None:
-                try:
-                    job.staged.abort()
-                except Exception:
-                    pass
+            staged = job.staged if job is not None else None
             if err.retryable:
                 delay = min(30.0, 0.2 * 2 ** min(n, 10)) * (0.5 + random.random() / 2)
                 log.warning("persisting %s %s failed (try %d, again in %.1fs): %s",
@@ -534,6 +531,11 @@ class Persister:
                 self.last_error = f"{e.op} {e.path}: {err}"
             self._retry_at[e.seq] = self.clock() + delay
             self.cond.notify_all()
+        if staged is not None:    # an S3 AbortMultipartUpload: never under the lock
+            try:
+                staged.abort()
+            except Exception as exc:
+                log.debug("aborting the failed stage of %s: %s", e.path, exc)
         if e.op == "put" and e.token:
             token = e.token
             if self._cleanup(token):

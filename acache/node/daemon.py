@@ -179,11 +179,13 @@ class Node:
             waiting_open = {ino for ino in self.vfs._wopen
                             if meta.get(ino) is not None and meta.get(ino).nlink > 0
                             and self._under(meta.path_of(ino), rel)}
-            extra: set[int] = set()
+            # the entries to wait for, found once: each tick only drops those that landed
+            # (O(what this barrier waits for), not O(journal x jobs))
+            want = {e.seq: e for e in meta.journal() if e.touches(rel)}
+            failing = [s for s in p.failed if s in want]
         p.hurry(target)
-        for e in meta.journal():    # permanent errors are retried at once when asked
-            if e.seq in p.failed:
-                p.hurry(e.seq)
+        for s in failing:           # permanent errors are retried at once when asked
+            p.hurry(s)
         total_bytes = None
         hurried = t0
         while True:
@@ -191,12 +193,13 @@ class Node:
                 for ino in list(waiting_open):
                     if ino not in self.vfs._wopen or meta.get(ino) is None:
                         waiting_open.discard(ino)
-                        extra |= {e.seq for e in meta.puts_of(ino)}
+                        want.update((e.seq, e) for e in meta.puts_of(ino) if e.touches(rel))
                         p.hurry(meta.last_seq())
-                pending = [e for e in meta.journal()
-                           if (e.seq <= target or e.seq in extra) and e.touches(rel)]
+                for s in [s for s, e in want.items() if meta.entry(s) is not e]:
+                    del want[s]      # applied or cancelled
+                pending = sorted(want.values(), key=lambda e: e.seq)
                 failed = [(e, p.failed[e.seq]) for e in pending if e.seq in p.failed]
-                sent = sum(j.sent for j in p.jobs.values() if j.entry in pending)
+                sent = sum(p.jobs[e.seq].sent for e in pending if e.seq in p.jobs)
                 left = sum(e.size for e in pending) - sent
                 if total_bytes is None:
                     total_bytes = left

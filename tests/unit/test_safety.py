@@ -97,3 +97,85 @@ def test_rename_of_a_removed_source_is_written_again_from_the_cache(tmp_path):
         assert "e/sub" in r.store.state.dirs
     finally:
         r.stop()
+
+
+def test_no_under_storage_call_under_the_metadata_lock(tmp_path):
+    """A failed commit aborts its stage (S3: AbortMultipartUpload, up to the read timeout
+    in an outage) and cleans up: never while holding the lock every FUSE op needs."""
+    held = []
+    box = {}
+
+    def watch(op, path):
+        if "rig" in box:
+            held.append((op, box["rig"].meta.lock._is_owned()))
+    store = MemStore("mem://t", faults=watch)
+    r = Rig(tmp_path, store=store)
+    box["rig"] = r
+    try:
+        store.fail_next(1, ops="commit")
+        r.write(ROOT_INO, b"f", b"x" * 100)
+        r.drain()
+        assert r.files() == {"f": b"x" * 100}
+        assert ("abort", False) in held or ("cleanup", False) in held
+        assert [op for op, locked in held if locked] == []
+    finally:
+        r.stop()
+
+
+def test_failed_read_ahead_does_not_poison_its_chunk(tmp_path):
+    """A read-ahead of chunk 1 fails (nobody waits for it); a later read of chunk 1
+    fetches it again and gets the bytes, not the old error."""
+    from acache.data.readthrough import ReadThrough
+    from acache.errors import TransientError
+    chunk = 4096
+    data = os.urandom(4 * chunk)
+    fails = {"left": 3}        # ReadThrough tries a read 3 times before giving up
+
+    class Under:
+        def read(self, path, off, n):
+            if off == chunk and fails["left"]:
+                fails["left"] -= 1
+                raise TransientError("injected")
+            return data[off:off + n]
+    rt = ReadThrough(Under(), chunk, workers=2)
+    fd = os.open(tmp_path / "c", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        rt.ensure(1, 0, fd, lambda: "f", len(data), 0, chunk)      # + read-ahead of 1..3
+        _poll(lambda: not rt._fills[(1, 0)].loading)
+        assert fails["left"] == 0                                  # chunk 1 failed
+        rt.ensure(1, 0, fd, lambda: "f", len(data), chunk, chunk)
+        assert os.pread(fd, chunk, chunk) == data[chunk:2 * chunk]
+    finally:
+        os.close(fd)
+        rt.pool.shutdown()
+
+
+def test_scoped_flush_does_not_rescan_the_journal_each_tick(tmp_path, monkeypatch):
+    """`flush --wait PATH` finds what it waits for once; each wake-up only looks at those
+    entries (it used to scan the whole journal and every job, per tick)."""
+    import types
+
+    from acache.meta.store import Entry
+    from acache.node.daemon import Node
+    r = Rig(tmp_path, store=MemStore("mem://t", delay=0.01), flush_delay=30)
+    try:
+        a = r.mkdir(ROOT_INO, b"a")
+        for i in range(40):
+            r.write(a, b"f%d" % i, b"x" * 100)
+        b = r.mkdir(ROOT_INO, b"b")
+        r.write(b, b"last", b"y")
+        n_entries = r.meta.journal_len()
+        calls = {"n": 0}
+        orig = Entry.touches
+
+        def counting(self, prefix):
+            calls["n"] += 1
+            return orig(self, prefix)
+        monkeypatch.setattr(Entry, "touches", counting)
+        fake = types.SimpleNamespace(meta=r.meta, persister=r.p, vfs=r.vfs, cache=r.cache,
+                                     rel=lambda path: path, _under=Node._under)
+        res = Node.flush(fake, "b", 60)       # waits behind the 40 commits of a/
+        assert res["ok"] and r.files()["b/last"] == b"y"
+        assert calls["n"] <= n_entries, f"{calls['n']} checks for {n_entries} entries"
+    finally:
+        r.stop()
