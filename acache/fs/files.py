@@ -171,6 +171,7 @@ class FileOps:
                 os.truncate(self.cache.path(ino, node.gen), 0)
             if trunc:
                 node.size = 0
+                node.synced = min(node.synced, 0)   # what an fsync covered is gone
                 node.mtime_ns = node.ctime_ns = time.time_ns()
             node.dirty = True
             txn.save(node)
@@ -382,6 +383,17 @@ class FileOps:
             txn.save(node)
             txn.commit(sync=True)
 
+    def _truncated(self, ino: int, gen: int, size: int) -> None:
+        """A file open for writing was cut to ``size``: an fsync before acknowledged at
+        most that much now (recovery must not take the cut for a short cache file)."""
+        with self.lock:
+            node = self.meta.get(ino)
+            if node is not None and node.gen == gen and size < node.synced:
+                node.synced = size
+                txn = self.meta.txn()
+                txn.save(node)
+                txn.commit()
+
     def _truncate(self, ino: int, fh: int | None, size: int) -> None:
         """truncate(2)/ftruncate(2): through an open write handle, or as open+close."""
         if fh is not None and fh in self._handles and self._handles[fh].writable:
@@ -389,6 +401,7 @@ class FileOps:
             if h.closed:
                 self._written_after_close(h)
             os.ftruncate(h.fd, size)
+            self._truncated(h.ino, h.gen, size)
             return
         with self.lock:
             node = self._node(ino)
@@ -396,6 +409,7 @@ class FileOps:
                 raise FsError(errno.EISDIR)
             if self._wopen.get(ino):
                 os.ftruncate(self.cache.fd_of(ino, node.gen), size)
+                self._truncated(ino, node.gen, size)
                 return
         fh = self.open(ino, os.O_WRONLY | (os.O_TRUNC if size == 0 else 0))
         try:

@@ -56,6 +56,10 @@ def test_deleted_wal_keeps_closed_files_in_lost_found(make_node):
     p = n.cli("flush", "--wait", "--timeout", "60")
     assert "lost+found" in p.stderr
     assert "lost+found" in n.cli("status").stdout
+    # they hold names of private directories
+    assert (n.home / "cache" / "meta").stat().st_mode & 0o777 == 0o700
+    assert (n.home / "acache.log").stat().st_mode & 0o777 == 0o600
+    assert (n.home / "cache" / "lost+found").stat().st_mode & 0o777 == 0o700
 
 
 @pytest.mark.e2e

@@ -179,3 +179,22 @@ def test_scoped_flush_does_not_rescan_the_journal_each_tick(tmp_path, monkeypatc
         assert calls["n"] <= n_entries, f"{calls['n']} checks for {n_entries} entries"
     finally:
         r.stop()
+
+
+def test_fsync_then_truncate_then_crash_is_not_taken_for_a_short_cache_file(tmp_path):
+    """fsync at 1000 bytes, ftruncate to 10, crash while open: recovery publishes the
+    10 bytes (the cut is the file's content), it does not fail it as 'short'."""
+    from acache.fs.types import Ctx
+    kv, store = MemKV(), MemStore("mem://t")
+    r = Rig(tmp_path, store=store, kv=kv, flush_delay=30)
+    fh, attr = r.vfs.create(ROOT_INO, b"f", 0o644, os.O_WRONLY, Ctx())
+    r.vfs.write(fh, 0, b"x" * 1000)
+    r.vfs.fsync(fh, False)
+    r.vfs.setattr(attr.ino, fh=fh, size=10)
+    r.stop()                                     # the crash: never closed
+    r2 = Rig(tmp_path, store=store, kv=kv)
+    try:
+        r2.drain()
+        assert r2.files() == {"f": b"x" * 10} and r2.p.failed == {}
+    finally:
+        r2.stop()
