@@ -223,6 +223,10 @@ def status(path: Optional[Path] = typer.Argument(None, help="Show each file's st
     t.add_row("rate", f"{_human(st['rate'])}/s; persisted {st['persisted_files']} files, "
               f"{_human(st['persisted_bytes'])} since start")
     t.add_row("last error", f"[red]{st['last_error']}[/]" if st["last_error"] else "-")
+    for f in st.get("failed_entries", []):
+        what = f"{f['path']} -> {f['dst']}" if f["dst"] else f["path"]
+        t.add_row(f"failed #{f['seq']}", f"[red]{f['op']} {what}: {f['error']}[/] "
+                  "(`acache journal`; `acache journal skip SEQ --reason ...` if it can never succeed)")
     if st.get("lost_found_files"):
         t.add_row("lost+found", f"[red]{st['lost_found_files']} files, "
                   f"{_human(st['lost_found_bytes'])} in {st['lost_found_dir']}[/] (cache files "

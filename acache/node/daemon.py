@@ -249,6 +249,10 @@ class Node:
                 "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
                 "persisted_files": p.files_done, "last_error": p.last_error,
                 "failed": len(p.failed), "stalls": c.stalls,
+                "failed_entries": [   # permanent failures hold back what comes after them
+                    {"seq": s, "op": e.op, "path": e.path, "dst": e.dst, "error": msg}
+                    for s, msg in sorted(p.failed.items())[:10]
+                    if (e := meta.entry(s)) is not None],
                 "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
             }
         # cache files the metadata did not know at start (listed outside the lock)

@@ -224,6 +224,9 @@ def test_journal_lists_and_skips_an_entry_that_can_never_succeed(make_node):
         [("after", True)]     # uploaded in parallel, committed only after "lost"
     assert "cache file missing" in res["entries"][0]["error"]
     assert "lost" in n.cli("journal").stdout
+    st = n.status()
+    assert [(f["op"], f["path"]) for f in st["failed_entries"]] == [("put", "lost")]
+    assert "cache file missing" in n.cli("status").stdout
     p = n.cli("journal", "skip", str(res["entries"][0]["seq"]), check=False)
     assert p.returncode != 0     # --reason is required
     n.cli("journal", "skip", str(res["entries"][0]["seq"]), "--reason", "deleted by hand")
