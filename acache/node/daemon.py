@@ -267,8 +267,10 @@ class Node:
                         continue
                     fp = meta.path_of(n.ino)
                     if self._under(fp, rel):
+                        # only a file open for writing needs an fstat for its size
+                        size = self.vfs.attr(n).size if n.ino in self.vfs._wopen else n.size
                         files.append({"path": fp, "state": self.vfs.state(n),
-                                      "size": self.vfs.attr(n).size, "note": n.local})
+                                      "size": size, "note": n.local})
                 out["files"] = sorted(files, key=lambda f: f["path"])
         return out
 
