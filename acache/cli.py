@@ -85,7 +85,9 @@ def _start_background(s: config.Settings, argv: list[str]) -> None:
     for warning in config.startup_warnings(s):
         err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
     s.home.mkdir(parents=True, exist_ok=True)
-    log = open(s.log_path, "ab")
+    # 0600: the log names files of private directories
+    log = os.fdopen(os.open(s.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+    os.fchmod(log.fileno(), 0o600)
     start = log.tell()
     env = dict(os.environ, ACACHE_HOME=str(s.home))
     proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "up", "--foreground", *argv],
@@ -211,6 +213,13 @@ def flush(path: Optional[Path] = typer.Argument(None, help="Only what is under t
                             files=info["files_left"] + info["open_files"])
             res = c.flush(p, timeout, on_progress)
     out.print(f"flushed in {res['seconds']:.2f}s: everything written before is in the under-storage")
+    if res.get("unacknowledged"):
+        err.print(f"[yellow]warning:[/] {res['unacknowledged']} files were open for writing at a "
+                  "crash and never fsynced: kept in the cache, not persisted until closed again "
+                  "(`acache status PATH`)")
+    if res.get("lost_found"):
+        err.print(f"[yellow]warning:[/] {res['lost_found']} cache files the metadata did not know "
+                  "are kept in lost+found (see `acache status`)")
 
 
 # -- status ---------------------------------------------------------------------------------
@@ -240,16 +249,71 @@ def status(path: Optional[Path] = typer.Argument(None, help="Show each file's st
     t.add_row("rate", f"{_human(st['rate'])}/s; persisted {st['persisted_files']} files, "
               f"{_human(st['persisted_bytes'])} since start")
     t.add_row("last error", f"[red]{st['last_error']}[/]" if st["last_error"] else "-")
+    for f in st.get("failed_entries", []):
+        what = f"{f['path']} -> {f['dst']}" if f["dst"] else f["path"]
+        t.add_row(f"failed #{f['seq']}", f"[red]{f['op']} {what}: {f['error']}[/] "
+                  "(`acache journal`; `acache journal skip SEQ --reason ...` if it can never succeed)")
+    if st.get("lost_found_files"):
+        t.add_row("lost+found", f"[red]{st['lost_found_files']} files, "
+                  f"{_human(st['lost_found_bytes'])} in {st['lost_found_dir']}[/] (cache files "
+                  "the metadata did not know at start: data of files the mount does not show)")
     out.print(t)
     if path is not None:
         ft = Table(title=f"files under {path}")
         ft.add_column("path")
         ft.add_column("state")
         ft.add_column("size", justify="right")
-        colors = {"dirty": "yellow", "persisting": "cyan", "persisted": "green", "failed": "red"}
+        colors = {"dirty": "yellow", "persisting": "cyan", "persisted": "green", "failed": "red",
+                  "unacknowledged": "red"}
         for f in st.get("files", []):
-            ft.add_row(f["path"], f"[{colors[f['state']]}]{f['state']}[/]", _human(f["size"]))
+            state = f"[{colors.get(f['state'], 'red')}]{f['state']}[/]"
+            if f.get("note"):
+                state += f" ({f['note']})"
+            ft.add_row(f["path"], state, _human(f["size"]))
         out.print(ft)
+
+
+# -- journal --------------------------------------------------------------------------------
+journal_app = typer.Typer(add_completion=False, invoke_without_command=True,
+                          help="The persist queue: list pending entries, skip one that can never succeed.")
+app.add_typer(journal_app, name="journal")
+
+
+@journal_app.callback()
+def journal(ctx: typer.Context,
+            limit: int = typer.Option(100, help="Show at most this many (the oldest first)."),
+            as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+            home: Optional[Path] = HomeOpt) -> None:
+    """List the pending journal entries, oldest first: seq, op, path, state, error."""
+    if ctx.invoked_subcommand is not None:
+        return
+    s = _settings(home)
+    with Client(s.socket_path) as c:
+        res = c.call("journal", limit=limit)
+    if as_json:
+        out.print_json(json.dumps(res))
+        return
+    t = Table(title=f"journal: {res['total']} entries pending"
+              + (f" (the oldest {len(res['entries'])} shown)" if res["total"] > len(res["entries"]) else ""))
+    for col in ("seq", "op", "path", "state", "error"):
+        t.add_column(col, justify="right" if col == "seq" else "left", overflow="fold")
+    for e in res["entries"]:
+        path = f"{e['path']} -> {e['dst']}" if e["dst"] else e["path"]
+        state = f"[red]{e['state']}[/]" if e["state"] == "failed" else e["state"]
+        t.add_row(str(e["seq"]), e["op"], path, state, e["error"] or "")
+    out.print(t)
+
+
+@journal_app.command("skip")
+def journal_skip(seq: int = typer.Argument(..., help="The entry's seq (see `acache journal`)."),
+                 reason: str = typer.Option(..., "--reason", help="Why it can never succeed (logged)."),
+                 home: Optional[Path] = HomeOpt) -> None:
+    """Drop one entry that can never succeed; everything after it keeps its order."""
+    s = _settings(home)
+    with Client(s.socket_path) as c:
+        res = c.call("journal_skip", seq=seq, reason=reason)
+    what = f"{res['path']} -> {res['dst']}" if res["dst"] else res["path"]
+    out.print(f"skipped journal entry {res['seq']}: {res['op']} {what}")
 
 
 def main() -> None:

@@ -366,5 +366,35 @@ class CacheDir:
                 out.append((ino, int(name[len(prefix):])))
         return out
 
+    # -- cache files nobody knows ------------------------------------------------------
+    @property
+    def lost_dir(self) -> str:
+        return os.path.join(self.root, "lost+found")
+
+    def set_aside(self, ino: int, gen: int) -> str:
+        """Move a cache file the metadata does not know into lost+found (never delete
+        it: after lost metadata it may be the only copy of a closed file)."""
+        os.makedirs(self.lost_dir, mode=0o700, exist_ok=True)
+        base = dst = os.path.join(self.lost_dir, f"{ino:x}.{gen}")
+        n = 0
+        while os.path.lexists(dst):
+            n += 1
+            dst = f"{base}~{n}"
+        os.rename(self.path(ino, gen), dst)
+        return dst
+
+    def lost_found(self) -> tuple[int, int]:
+        """(files, bytes) in lost+found."""
+        files = size = 0
+        try:
+            with os.scandir(self.lost_dir) as it:
+                for ent in it:
+                    if ent.is_file(follow_symlinks=False):
+                        files += 1
+                        size += ent.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            pass
+        return files, size
+
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.dir)

@@ -13,6 +13,7 @@ stager threads.  All bookkeeping is under the MetaStore lock.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Callable
 
 from acache.data.cache import CacheDir
 from acache.data.under.base import Attrs, Staged, UnderStore
-from acache.errors import AcacheError, UnderStoreError
+from acache.errors import AcacheError, ConfigError, UnderStoreError
 from acache.meta.store import Entry, MetaStore
 
 log = logging.getLogger("acache.persister")
@@ -50,6 +51,7 @@ class Persister:
                  flush_delay: float = 1.0, concurrency: int = 4) -> None:
         self.meta, self.cache, self.under = meta, cache, under
         self.flush_delay = flush_delay
+        self.clock = meta.clock        # the clock of Entry.t (flush delay) and of retries
         self.lock = meta.lock
         self.cond = threading.Condition(self.lock)
         self.jobs: dict[int, Job] = {}
@@ -64,7 +66,7 @@ class Persister:
         # asked (under the lock) before a staged PUT commits: True when the VFS withdrew it
         # (its file was written after the close that journaled it)
         self.withdraw: Callable[[Entry], bool] = lambda e: False
-        self._retry_at: dict[int, float] = {}   # seq -> monotonic time of the next try
+        self._retry_at: dict[int, float] = {}   # seq -> self.clock() of the next try
         self._attempts: dict[int, int] = {}
         self.failed: dict[int, str] = {}        # seq -> permanent error message
         self.last_error = ""
@@ -194,7 +196,7 @@ class Persister:
 
     def _schedule(self) -> float:
         """Start stages that are due; return how long to sleep at most."""
-        now = time.monotonic()
+        now = self.clock()
         wake = 1.0
         staging = sum(1 for j in self.jobs.values() if j.state == "staging")
         moved: list[str] = []    # paths an earlier mkdir/rename/delete/rmdir still has to change
@@ -230,11 +232,32 @@ class Persister:
                    for p in (head.path, head.dst) if p):
                 return False    # a cancelled stage still has its temp file in there: moving
                                 # or removing the directory now would leave it behind
-            return self._eligible_at(head) <= time.monotonic()
+            return self._eligible_at(head) <= self.clock()
         job = self.jobs.get(head.seq)
         return job is not None and job.done.is_set()
 
+    def _cache_problem(self, e: Entry) -> str:
+        """Why the cache file of a PUT cannot be what was acknowledged ('' if it can)."""
+        path = self.cache.path(e.ino, e.gen)
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            size = -1
+        if size >= e.size:
+            return ""
+        what = "missing" if size < 0 else f"short ({size} of {e.size} bytes)"
+        return (f"cache file {what}: {path}; nothing is uploaded from it (restore it, or "
+                f"`acache journal skip {e.seq}` to give this entry up)")
+
     def _start_stage(self, e: Entry) -> None:
+        problem = self._cache_problem(e)
+        if problem:    # never upload less than was acknowledged (an empty file over a good copy)
+            if self.failed.get(e.seq) != problem:
+                log.error("persisting put %s failed: %s", e.path, problem)
+            self.failed[e.seq] = problem
+            self.last_error = f"put {e.path}: {problem}"
+            self._retry_at[e.seq] = self.clock() + 60.0   # checked again then, and on flush
+            return
         self.failed.pop(e.seq, None)     # a new attempt: its last failure is history
         txn = self.meta.txn()
         if e.token:                      # an earlier attempt's leftovers may remain
@@ -329,7 +352,12 @@ class Persister:
                 raise UnderStoreError(f"staging {e.path}: {err}", retryable=True)
             job.staged.commit()
         elif e.op == "rename":
-            self.under.rename(e.path, e.dst)
+            try:
+                self.under.rename(e.path, e.dst)
+            except UnderStoreError as err:
+                if err.retryable or not self._source_gone(e):
+                    raise
+                self._rebuild(e, err)
         elif e.op == "delete":
             self.under.delete(e.path)
         elif e.op == "mkdir":
@@ -344,6 +372,114 @@ class Persister:
                   f" -> {e.dst}" if e.dst else "", e.ino, e.gen)
         with self.lock:
             self._done(e)
+
+    # -- a rename whose source another tool removed from the under-storage --------------
+    def _source_gone(self, e: Entry) -> bool:
+        return self.under.stat(e.path) is None and self.under.stat(e.dst) is None
+
+    def _rebuild(self, e: Entry, err: UnderStoreError) -> None:
+        """Apply RENAME ``e`` whose source is gone from the under-storage (removed by another
+        tool): what it moves is written at the destination from the cache instead, at the
+        rename's place in the order (directories, then files).  Files that will land anyway
+        (a later PUT, open for writing) are left to that.  If any file's data is not in
+        the cache, nothing is done: the entry fails permanently, for the operator to see
+        (`acache journal`) and skip."""
+        dirs, files, missing = [], [], []
+        with self.lock:
+            for ino in e.inos:
+                n = self.meta.get(ino)
+                if n is None or n.upath is None or not (
+                        n.upath == e.path or n.upath.startswith(e.path + "/")):
+                    continue
+                dst = e.dst + n.upath[len(e.path):]
+                if n.is_dir:
+                    dirs.append(dst)
+                elif self.meta.puts_of(ino) or n.dirty or n.local:
+                    continue            # its own PUT (or the next close) lands it
+                elif not n.cached or self._cache_problem(
+                        Entry(seq=0, op="put", path=dst, ino=ino, gen=n.gen, size=n.size)):
+                    missing.append(n.upath)
+                else:
+                    files.append((dst, ino, n.gen, n.size))
+            if missing:
+                raise UnderStoreError(
+                    f"{err}: it was removed from the under-storage, and {len(missing)} of the "
+                    f"files it moves are not in the cache to write them again (e.g. "
+                    f"{missing[0]!r}); `acache journal skip {e.seq} --reason ...` gives it up",
+                    retryable=False)
+            for _, ino, gen, _ in files:    # kept from eviction until written
+                self.cache.acquire(ino, gen)
+        try:
+            for d in sorted(dirs, key=lambda p: p.count("/")):
+                self.under.mkdir(d)
+            for dst, ino, gen, size in files:
+                token = self.under.new_token(dst)
+                with self.lock:
+                    txn = self.meta.txn()
+                    txn.orphan_stage(token)   # cleaned at restart if we die mid-way
+                    txn.commit()
+                self.under.stage(dst, token, self.cache.path(ino, gen), size).commit()
+                with self.lock:
+                    txn = self.meta.txn()
+                    txn.forget_stage(token)
+                    txn.commit()
+        finally:
+            for _, ino, gen, _ in files:
+                self.cache.release(ino, gen)
+        log.warning("rename %s -> %s: the source was gone from the under-storage (removed by "
+                    "another tool?); wrote %d files and %d directories at %s again from the cache",
+                    e.path, e.dst, len(files), len(dirs), e.dst)
+
+    # -- the operator's view of the journal --------------------------------------------
+    def entries(self, limit: int = 100) -> tuple[int, list[dict]]:
+        """(pending entries, the ``limit`` oldest as dicts) for `acache journal`."""
+        with self.lock:
+            out = []
+            for e in self.meta.head(limit):
+                state = self.state(e.seq) or ("held" if e.hold else "pending")
+                job = self.jobs.get(e.seq)
+                if state == "staging" and job is not None and job.done.is_set() \
+                        and job.error is None:
+                    state = "staged"     # uploaded, waiting for its turn to commit
+                if e.seq in self.failed:
+                    state = "failed"
+                elif e.seq in self._retry_at and state == "pending":
+                    state = "retrying"
+                out.append({"seq": e.seq, "op": e.op, "path": e.path, "dst": e.dst,
+                            "size": e.size, "state": state, "error": self.failed.get(e.seq, "")})
+            return self.meta.journal_len(), out
+
+    def skip(self, seq: int, reason: str) -> dict:
+        """The operator gives up entry ``seq`` (it can never succeed): it is dropped from
+        the journal, everything after it keeps its order; recorded with the reason.  A
+        skipped PUT's file stays in the cache, shown as not persisted."""
+        with self.lock:
+            e = self.meta.entry(seq)
+            if e is None:
+                raise ConfigError(f"no pending journal entry {seq} (see `acache journal`)")
+            if self.state(seq) == "committing":
+                raise ConfigError(f"journal entry {seq} is being applied right now; try again")
+            if seq in self.jobs:
+                self.abort(seq)
+            txn = self.meta.txn()
+            txn.remove_entry(seq)
+            txn.record_skip(e, reason)
+            if e.op == "put":
+                node = self.meta.get(e.ino)
+                if node is not None and node.gen == e.gen and not node.dirty:
+                    node.local = f"not persisted: journal entry {seq} skipped ({reason})"
+                    txn.save(node)
+                else:
+                    txn.freed.append((e.ino, e.gen))
+            txn.commit(sync=True)
+            for d in (self._retry_at, self.failed, self._attempts):
+                d.pop(seq, None)
+            if not self.failed and not self._retry_at:
+                self.last_error = ""
+            log.warning("journal entry %d (%s %s%s) skipped by the operator: %s", seq, e.op, e.path,
+                        f" -> {e.dst}" if e.dst else "", reason)
+            self.cond.notify_all()
+            return {"seq": seq, "op": e.op, "path": e.path, "dst": e.dst}
 
     def _done(self, e: Entry) -> None:
         """Entry ``e`` is now in the under-storage (called under the lock)."""
@@ -406,6 +542,7 @@ class Persister:
         return Attrs(node.mode & 0o7777, node.uid, node.gid, node.mtime_ns).pack()
 
     def _failed(self, e: Entry, err: UnderStoreError) -> None:
+        staged = None
         with self.lock:
             if self.meta.entry(e.seq) is None:   # cancelled meanwhile: nothing to retry
                 self.jobs.pop(e.seq, None)
@@ -414,11 +551,7 @@ class Persister:
             n = self._attempts.get(e.seq, 0) + 1
             self._attempts[e.seq] = n
             job = self.jobs.pop(e.seq, None)
-            if job is not None and job.staged is not None:
-                try:
-                    job.staged.abort()
-                except Exception:
-                    pass
+            staged = job.staged if job is not None else None
             if err.retryable:
                 delay = min(30.0, 0.2 * 2 ** min(n, 10)) * (0.5 + random.random() / 2)
                 log.warning("persisting %s %s failed (try %d, again in %.1fs): %s",
@@ -430,8 +563,13 @@ class Persister:
                 log.error("persisting %s %s failed permanently (data kept, retried every %.0fs "
                           "and on flush): %s", e.op, e.path, delay, err)
                 self.last_error = f"{e.op} {e.path}: {err}"
-            self._retry_at[e.seq] = time.monotonic() + delay
+            self._retry_at[e.seq] = self.clock() + delay
             self.cond.notify_all()
+        if staged is not None:    # an S3 AbortMultipartUpload: never under the lock
+            try:
+                staged.abort()
+            except Exception as exc:
+                log.debug("aborting the failed stage of %s: %s", e.path, exc)
         if e.op == "put" and e.token:
             token = e.token
             if self._cleanup(token):

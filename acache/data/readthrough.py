@@ -83,6 +83,7 @@ class ReadThrough:
             ev = fill.loading.get(c)
             if ev is not None:
                 return ev
+            fill.errors.pop(c, None)   # an earlier failure (a read-ahead nobody waited for)
             ev = fill.loading[c] = threading.Event()
         # our own descriptor: the caller's may be closed before a read-ahead lands
         self.pool.submit(self._load, fill, os.dup(fd), upath, size, c, ev, ino, gen)
@@ -118,6 +119,7 @@ class ReadThrough:
                 self.cache.filled(ino, gen, n)
             with self._lock:
                 fill.present.add(c)
+                fill.errors.pop(c, None)
         except Exception as e:
             with self._lock:
                 fill.errors[c] = e

@@ -169,6 +169,7 @@ class FileOps:
                 node.cached = True
             if trunc:
                 node.size = 0
+                node.synced = min(node.synced, 0)   # what an fsync covered is gone
                 node.mtime_ns = node.ctime_ns = time.time_ns()
             node.dirty = True
             txn.save(node)
@@ -338,6 +339,8 @@ class FileOps:
             if node.nlink > 0:
                 journal.journal_put(self.meta, txn, self.persister, node)
         node.dirty = False
+        node.synced = -1                     # the close acknowledges it whole
+        node.local = ""
         txn.save(node)
         txn.commit()
         self._sig[h.ino] = sig     # only now: a close that failed to journal must not look done
@@ -414,9 +417,21 @@ class FileOps:
                 s = os.fstat(h.fd)
                 node.size = s.st_size
                 node.mtime_ns = max(node.mtime_ns, s.st_mtime_ns)
+                node.synced = s.st_size   # acknowledged: recovery publishes at least this
             txn = self.meta.txn()
             txn.save(node)
             txn.commit(sync=True)
+
+    def _truncated(self, ino: int, gen: int, size: int) -> None:
+        """A file open for writing was cut to ``size``: an fsync before acknowledged at
+        most that much now (recovery must not take the cut for a short cache file)."""
+        with self.lock:
+            node = self.meta.get(ino)
+            if node is not None and node.gen == gen and size < node.synced:
+                node.synced = size
+                txn = self.meta.txn()
+                txn.save(node)
+                txn.commit()
 
     def _truncate(self, ino: int, fh: int | None, size: int) -> None:
         """truncate(2)/ftruncate(2): through an open write handle, or as open+close."""
@@ -425,6 +440,7 @@ class FileOps:
             if h.closed:
                 self._written_after_close(h)
             os.ftruncate(h.fd, size)
+            self._truncated(h.ino, h.gen, size)
             return
         with self.lock:
             node = self._node(ino)
@@ -432,6 +448,7 @@ class FileOps:
                 raise FsError(errno.EISDIR)
             if self._wopen.get(ino):
                 os.ftruncate(self.cache.fd_of(ino, node.gen), size)
+                self._truncated(ino, node.gen, size)
                 return
         fh = self.open(ino, os.O_WRONLY | (os.O_TRUNC if size == 0 else 0))
         try:

@@ -436,6 +436,8 @@ class VFS(FileOps):
     def state(self, node: Inode) -> str:
         if node.dirty:
             return "dirty"
+        if node.local:
+            return "unacknowledged"
         kinds = self.meta.entries_of(node.ino, "put", "mkdir", "symlink", "attrs")
         kinds += self.meta.moves_of(node.ino)     # not under its current name until these land
         if any(e.seq in self.persister.failed for e in kinds):
@@ -472,7 +474,7 @@ class VFS(FileOps):
                 return
             if node is not None and node.gen == gen:
                 if not node.dirty and not self.meta.puts_of(ino) and node.upath is not None \
-                        and node.cached:
+                        and node.cached and not node.local:
                     self.cache.note(ino, gen, dirty=False)
                 return
             if self.cache.is_open(ino, gen):
@@ -483,7 +485,7 @@ class VFS(FileOps):
     def _evict(self, ino: int, gen: int) -> bool:
         with self.lock:
             node = self.meta.get(ino)
-            if node is None or node.gen != gen or node.dirty or self.meta.puts_of(ino) \
+            if node is None or node.gen != gen or node.dirty or node.local or self.meta.puts_of(ino) \
                     or node.upath is None or self.cache.is_open(ino, gen) or self._opens.get(ino):
                 return False
             node.cached = False
@@ -501,55 +503,111 @@ class VFS(FileOps):
     def recover(self) -> dict:
         """After a crash: clean half-done stages, re-journal files that were open for
         writing (their bytes were acknowledged by close or fsync), drop orphans, and
-        reconcile cache files with the namespace."""
-        out = {"stages": 0, "reopened": 0, "orphans": 0, "removed": 0}
+        reconcile cache files with the namespace: a cache file the metadata does not know
+        (lost metadata: a deleted or damaged WAL) is moved to lost+found, never deleted."""
+        out = {"stages": 0, "reopened": 0, "orphans": 0, "removed": 0, "lost+found": 0}
+        with self.lock:
+            tokens = [e.token for e in self.meta.journal() if e.token]
+            orphans = self.meta.orphan_stages()
+        cleaned = set()
+        for token in tokens + orphans:     # under-storage calls: outside the lock
+            try:
+                self.under.cleanup(token)
+                cleaned.add(token)
+            except UnderStoreError as err:   # unreachable now: the token stays, and the
+                log.warning("cleaning up after the stage %s failed: %s", token, err)
+                # store cleans up before it stages the path
         with self.lock:
             txn = self.meta.txn()
             for e in self.meta.journal():
-                if e.token:
-                    try:
-                        self.under.cleanup(e.token)
-                    except UnderStoreError as err:   # unreachable now: the token stays, and the
-                        log.warning("cleaning up after the stage of %s failed: %s", e.path, err)
-                        continue                     # store cleans up before it stages the path
+                if e.token and e.token in cleaned:
                     e.token = ""
                     txn.update_entry(e)
                     out["stages"] += 1
-            for token in self.meta.orphan_stages():   # of entries cancelled mid-stage
-                try:
-                    self.under.cleanup(token)
-                except UnderStoreError as err:
-                    log.warning("cleaning up the abandoned stage %s failed: %s", token, err)
-                    continue
-                txn.forget_stage(token)
-                out["stages"] += 1
+            for token in orphans:             # of entries cancelled mid-stage
+                if token in cleaned:
+                    txn.forget_stage(token)
+                    out["stages"] += 1
+            known = self.cache.known()
             for node in self.meta.inodes():
                 if node.is_dir:
                     continue
+                if not node.dirty and node.cached and node.size and node.upath is not None \
+                        and (node.ino, node.gen) not in known \
+                        and not self.meta.gen_pending(node.ino, node.gen):
+                    node.cached = False       # its cache file is gone: read it through again
+                    txn.save(node)
                 if node.nlink == 0:
                     txn.drop_inode(node.ino)
                     out["orphans"] += 1
                 elif node.dirty:
-                    try:
-                        s = os.stat(self.cache.path(node.ino, node.gen))
-                        node.size, node.mtime_ns = s.st_size, max(node.mtime_ns, s.st_mtime_ns)
-                    except FileNotFoundError:
-                        self.cache.create_empty(node.ino, node.gen)
-                        node.size = 0
-                    journal.journal_put(self.meta, txn, self.persister, node)
-                    node.dirty = False
-                    txn.save(node)
+                    self._recover_dirty(txn, node)
                     out["reopened"] += 1
             txn.commit(sync=True)
-            for ino, gen in self.cache.known():
+            last_ino = self.meta.last_ino()
+            lost = []
+            for ino, gen in known:
                 node = self.meta.get(ino)
                 pending = self.meta.gen_pending(ino, gen)
                 current = node is not None and node.gen == gen
-                if (not pending and not current) or (current and not node.cached):
+                unknown = not pending and ((node is None and ino > last_ino)
+                                           or (node is not None and gen > node.gen))
+                if unknown and os.stat(self.cache.path(ino, gen)).st_size > 0:
+                    lost.append(self.cache.set_aside(ino, gen))
+                elif (not pending and not current) or (current and not node.cached):
                     self.cache.remove(ino, gen)
                     out["removed"] += 1
                 else:
                     clean = current and not pending and not self.meta.puts_of(ino) \
-                        and node.upath is not None
+                        and node.upath is not None and not node.local
                     self.cache.note(ino, gen, dirty=not clean)
+            if lost:
+                out["lost+found"] = len(lost)
+                log.warning("%d cache files are not known to the metadata (was its log deleted "
+                            "or damaged?): moved to %s, nothing deleted; they hold data of files "
+                            "the mount no longer shows: %s", len(lost), self.cache.lost_dir,
+                            ", ".join(os.path.basename(p) for p in lost[:20]))
         return out
+
+    def _recover_dirty(self, txn, node: Inode) -> None:
+        """A file open for writing when the node died: journal what was acknowledged.
+        Fsynced since it was opened: published (at least the fsynced bytes; what a local
+        disk would keep).  Never fsynced: nothing of what it holds was acknowledged, so it
+        is not published as if complete; it stays in the cache as it is, shown
+        'unacknowledged', and the under-storage keeps its last closed version (a PUT of it
+        that is still pending lands; one held for this writer is withdrawn, its bytes
+        were being changed in place)."""
+        if node.synced < 0:
+            for e in self.meta.puts_of(node.ino):
+                if e.gen == node.gen and self.persister.state(e.seq) != "committing":
+                    txn.remove_entry(e.seq)    # held for this writer: its bytes changed
+            try:
+                s = os.stat(self.cache.path(node.ino, node.gen))
+                node.size, node.mtime_ns = s.st_size, max(node.mtime_ns, s.st_mtime_ns)
+            except FileNotFoundError:
+                self.cache.create_empty(node.ino, node.gen)
+                node.size = 0
+            node.dirty, node.cached = False, True
+            node.local = "unacknowledged (crash while open for writing, never fsynced)"
+            log.warning("%s was open for writing at a crash and never fsynced: kept in the cache "
+                        "as it is (%d bytes), not published; close it again to persist it",
+                        self.meta.path_of(node.ino), node.size)
+            txn.save(node)
+            return
+        try:
+            s = os.stat(self.cache.path(node.ino, node.gen))
+            size, mtime = s.st_size, s.st_mtime_ns
+        except FileNotFoundError:
+            size, mtime = -1, 0
+        if size < node.synced:   # missing or short: the PUT fails and says so, never uploads less
+            log.error("the cache file of %s (%s) is %s: %d bytes were fsynced; it is not "
+                      "persisted from it", self.meta.path_of(node.ino),
+                      self.cache.path(node.ino, node.gen),
+                      "missing" if size < 0 else f"short ({size} bytes)", node.synced)
+            node.size = node.synced
+        else:
+            node.size, node.mtime_ns = max(size, 0), max(node.mtime_ns, mtime)
+        journal.journal_put(self.meta, txn, self.persister, node)
+        node.dirty = False
+        node.synced = -1
+        txn.save(node)

@@ -6,6 +6,8 @@
     J<seq:u64>              -> msgpack    a journal entry (Entry.pack), applied to the
                                           under-storage in seq order by the persister
     N<node-id>              -> msgpack    node registry (placement: which host holds data)
+    S<seq:u64>              -> msgpack    a journal entry the operator skipped (`acache journal
+                                          skip`): op, path, dst, reason, time (a record)
     T<token>                -> b""        a stage token no journal entry holds any more (the
                                           entry was cancelled, or staged again under a new
                                           token): its leftovers are cleaned, at restart too
@@ -45,6 +47,10 @@ def dentry_prefix(parent: int) -> bytes:
 
 def journal_key(seq: int) -> bytes:
     return b"J" + u64(seq)
+
+
+def skipped_key(seq: int) -> bytes:
+    return b"S" + u64(seq)
 
 
 INODE_PREFIX = b"I"

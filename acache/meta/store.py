@@ -12,6 +12,9 @@ Write-back states of a file (the durability rule of each):
   persisting  its PUT is being staged/committed to the under-storage.
   persisted   the under-storage holds its current content at `upath`.
   failed      the under-storage refused it permanently; retried, data kept.
+  unacknowledged  open for writing at a crash and never fsynced since: what it holds
+              was never acknowledged, so it is kept in the cache (`local` says why)
+              and not published until it is closed again (VFS._recover_dirty).
 
 A failed write (the KV refused a batch: a full disk, an I/O error) leaves memory as the KV
 has it: the VFS and the journal rules change Inode/Entry objects in place while they build
@@ -30,18 +33,29 @@ import logging
 import stat as st
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from typing import Callable, Iterator
 
 import msgpack
 
-from acache.errors import MetaError
+from acache.errors import ConfigError, MetaError
 from acache.meta import schema as K
 from acache.meta.kv import KV
 
 ROOT_INO = 1
 _NAMES = "surrogateescape"   # paths are str decoded with surrogateescape: any bytes
 log = logging.getLogger("acache.meta")
+
+
+def _known(cls, d: dict) -> dict:
+    """A stored record's fields, refusing ones this version does not know: a record of a
+    newer acache (a downgrade) may carry a rule this one would break by ignoring it."""
+    unknown = set(d) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ConfigError(f"the metadata holds {cls.__name__.lower()} records with fields this "
+                          f"version of acache does not know ({', '.join(sorted(unknown))}): it "
+                          "was written by a newer version; run that version")
+    return d
 
 
 @dataclass
@@ -64,6 +78,11 @@ class Inode:
     listed: bool = False      # dirs: under-storage children merged in
     node: str = "local"       # placement: the worker holding the cache file
     target: bytes = b""       # symbolic links: the target (data, never followed)
+    synced: int = -1          # size acknowledged by the last fsync while open for writing
+                              # (-1: none since the last close); recovery checks against it
+    local: str = ""           # why the cache holds content that is not journaled (a crash
+                              # while open for writing, never fsynced): kept, never evicted,
+                              # never published until the file is closed again
 
     @property
     def is_dir(self) -> bool:
@@ -74,7 +93,7 @@ class Inode:
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Inode":
-        return cls(**msgpack.unpackb(raw, raw=False, unicode_errors=_NAMES))
+        return cls(**_known(cls, msgpack.unpackb(raw, raw=False, unicode_errors=_NAMES)))
 
 
 @dataclass
@@ -94,7 +113,9 @@ class Entry:
     ino: int = 0
     gen: int = 0
     size: int = 0
-    t: float = 0.0            # when it was journaled (flush delay counts from here)
+    t: float = 0.0            # when it was journaled, on MetaStore.clock (flush delay counts
+                              # from here): in memory only, never stored (a process-local
+                              # clock means nothing after a restart or a reboot)
     token: str = ""           # a stage in progress (cleaned up after a crash)
     inos: list = field(default_factory=list)
     replaces: bool = False    # put/mkdir landing on the object of a file/dir it replaced by
@@ -105,11 +126,15 @@ class Entry:
     attrs: list = field(default_factory=list)   # Attrs.pack() taken when it started
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True, unicode_errors=_NAMES)
+        d = asdict(self)
+        del d["t"]
+        return msgpack.packb(d, use_bin_type=True, unicode_errors=_NAMES)
 
     @classmethod
-    def unpack(cls, raw: bytes) -> "Entry":
-        return cls(**msgpack.unpackb(raw, raw=False, unicode_errors=_NAMES))
+    def unpack(cls, raw: bytes, t: float = 0.0) -> "Entry":
+        d = msgpack.unpackb(raw, raw=False, unicode_errors=_NAMES)
+        d["t"] = t                # records of older versions stored one: ignored
+        return cls(**_known(cls, d))
 
     def touches(self, prefix: str) -> bool:
         """Does this entry change anything at or under ``prefix`` ('' = all)?"""
@@ -164,7 +189,7 @@ class Txn:
     def append(self, **kw) -> Entry:
         s = self.store
         s._next_seq += 1
-        e = Entry(seq=s._next_seq, t=time.monotonic(), **kw)
+        e = Entry(seq=s._next_seq, t=s.clock(), **kw)
         s._journal[e.seq] = e
         log.debug("journal +%d %s %s%s (ino %d gen %d)", e.seq, e.op, e.path,
                   f" -> {e.dst}" if e.dst else "", e.ino, e.gen)
@@ -190,6 +215,12 @@ class Txn:
     def orphan_stage(self, token: str) -> None:
         """No entry holds ``token`` any more: remember it until its leftovers are gone."""
         self.puts[K.stage_key(token)] = b""
+
+    def record_skip(self, e: Entry, reason: str) -> None:
+        """The operator gave up entry ``e`` (kept as a record, not in the journal)."""
+        self.puts[K.skipped_key(e.seq)] = msgpack.packb(
+            {"op": e.op, "path": e.path, "dst": e.dst, "reason": reason, "time": time.time()},
+            use_bin_type=True, unicode_errors=_NAMES)
 
     def forget_stage(self, token: str) -> None:
         """``token``'s stage was committed or cleaned up."""
@@ -220,8 +251,11 @@ class Txn:
 class MetaStore:
     """The namespace + journal.  Callers hold ``lock`` around reads and txns."""
 
-    def __init__(self, kv: KV) -> None:
+    def __init__(self, kv: KV, clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
+        # when entries were journaled, for the flush delay (the persister uses this clock
+        # too); entries found at start count as journaled now: eligible after flush_delay
+        self.clock = clock
         self.lock = threading.RLock()
         self._inodes: dict[int, Inode] = {}
         self._children: dict[int, dict[bytes, int]] = {}
@@ -243,7 +277,7 @@ class MetaStore:
             parent = K.from_u64(k[1:9])
             self._children.setdefault(parent, {})[k[9:]] = K.from_u64(v)
         for _, v in kv.scan(K.JOURNAL_PREFIX):
-            e = Entry.unpack(v)
+            e = Entry.unpack(v, t=clock())
             self._journal[e.seq] = e
             self._index(e)
         if ROOT_INO not in self._inodes:
@@ -335,6 +369,10 @@ class MetaStore:
     def last_seq(self) -> int:
         return self._next_seq
 
+    def last_ino(self) -> int:
+        """The highest inode number ever allocated (as far as the KV recorded)."""
+        return self._next_ino
+
     # -- allocation --------------------------------------------------------------
     def new_inode(self, txn: Txn, **kw) -> Inode:
         self._next_ino += 1
@@ -388,7 +426,11 @@ class MetaStore:
             for entry in entries:       # key order is seq order
                 had = self._journal.get(entry.seq) or old_entries.get(entry.seq)
                 if had is not None:
+                    t = had.t               # in memory only: keep when it was journaled
                     had.__dict__.update(entry.__dict__)
+                    had.t = t
+                else:
+                    entry.t = self.clock()
                 journal[entry.seq] = had if had is not None else entry
             self._journal.clear()
             self._journal.update(journal)

@@ -175,8 +175,9 @@ class Node:
             return ""
         path = os.path.abspath(path)
         if self.mountpoint and (path == self.mountpoint or path.startswith(self.mountpoint + "/")):
-            return os.path.relpath(path, self.mountpoint).strip(".").strip("/") \
-                if path != self.mountpoint else ""
+            # path is absolute and normalised: the rest after the mount point is the
+            # relative path as is (a name may start or end with '.': '.metadata')
+            return path[len(self.mountpoint) + 1:] if path != self.mountpoint else ""
         raise ConfigError(f"{path} is not on the acache mount ({self.mountpoint or 'not mounted'})")
 
     # -- the barrier ------------------------------------------------------------------------
@@ -193,11 +194,13 @@ class Node:
             waiting_open = {ino for ino in self.vfs._wopen
                             if meta.get(ino) is not None and meta.get(ino).nlink > 0
                             and self._under(meta.path_of(ino), rel)}
-            extra: set[int] = set()
+            # the entries to wait for, found once: each tick only drops those that landed
+            # (O(what this barrier waits for), not O(journal x jobs))
+            want = {e.seq: e for e in meta.journal() if e.touches(rel)}
+            failing = [s for s in p.failed if s in want]
         p.hurry(target)
-        for e in meta.journal():    # permanent errors are retried at once when asked
-            if e.seq in p.failed:
-                p.hurry(e.seq)
+        for s in failing:           # permanent errors are retried at once when asked
+            p.hurry(s)
         total_bytes = None
         hurried = t0
         while True:
@@ -205,12 +208,13 @@ class Node:
                 for ino in list(waiting_open):
                     if ino not in self.vfs._wopen or meta.get(ino) is None:
                         waiting_open.discard(ino)
-                        extra |= {e.seq for e in meta.puts_of(ino)}
+                        want.update((e.seq, e) for e in meta.puts_of(ino) if e.touches(rel))
                         p.hurry(meta.last_seq())
-                pending = [e for e in meta.journal()
-                           if (e.seq <= target or e.seq in extra) and e.touches(rel)]
+                for s in [s for s, e in want.items() if meta.entry(s) is not e]:
+                    del want[s]      # applied or cancelled
+                pending = sorted(want.values(), key=lambda e: e.seq)
                 failed = [(e, p.failed[e.seq]) for e in pending if e.seq in p.failed]
-                sent = sum(j.sent for j in p.jobs.values() if j.entry in pending)
+                sent = sum(p.jobs[e.seq].sent for e in pending if e.seq in p.jobs)
                 left = sum(e.size for e in pending) - sent
                 if total_bytes is None:
                     total_bytes = left
@@ -218,7 +222,10 @@ class Node:
                         "open_files": len(waiting_open), "total_bytes": total_bytes,
                         "rate": p.rate(), "last_error": p.last_error}
                 if not pending and not waiting_open:
-                    return {"ok": True, "seconds": time.monotonic() - t0}
+                    return {"ok": True, "seconds": time.monotonic() - t0,
+                            "lost_found": self.cache.lost_found()[0],
+                            "unacknowledged": sum(1 for n in meta.inodes() if n.local
+                                                  and self._under(meta.path_of(n.ino), rel))}
                 if failed and time.monotonic() - t0 > 1.0:
                     e, msg = failed[0]
                     raise FlushError(f"{e.op} {e.path} failed: {msg} ({len(pending)} entries not "
@@ -258,8 +265,16 @@ class Node:
                 "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
                 "persisted_files": p.files_done, "last_error": p.last_error,
                 "failed": len(p.failed), "stalls": c.stalls,
+                "failed_entries": [   # permanent failures hold back what comes after them
+                    {"seq": s, "op": e.op, "path": e.path, "dst": e.dst, "error": msg}
+                    for s, msg in sorted(p.failed.items())[:10]
+                    if (e := meta.entry(s)) is not None],
                 "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
             }
+        # cache files the metadata did not know at start (listed outside the lock)
+        out["lost_found_files"], out["lost_found_bytes"] = c.lost_found()
+        out["lost_found_dir"] = c.lost_dir
+        with meta.lock:
             if path is not None:
                 rel = self.rel(path)
                 files = []
@@ -268,10 +283,23 @@ class Node:
                         continue
                     fp = meta.path_of(n.ino)
                     if self._under(fp, rel):
+                        # only a file open for writing needs an fstat for its size
+                        size = self.vfs.attr(n).size if n.ino in self.vfs._wopen else n.size
                         files.append({"path": fp, "state": self.vfs.state(n),
-                                      "size": self.vfs.attr(n).size})
+                                      "size": size, "note": n.local})
                 out["files"] = sorted(files, key=lambda f: f["path"])
         return out
+
+    # -- the journal, for the operator --------------------------------------------------------
+    def journal(self, limit: int = 100) -> dict:
+        total, entries = self.persister.entries(max(1, int(limit)))
+        return {"total": total, "entries": entries}
+
+    def journal_skip(self, seq: int, reason: str) -> dict:
+        reason = (reason or "").strip()
+        if not reason:
+            raise ConfigError("say why the entry is skipped: --reason \"...\"")
+        return self.persister.skip(int(seq), reason)
 
     # -- stop ---------------------------------------------------------------------------------
     def shutdown(self, flush: bool = True, timeout: float | None = None) -> dict:

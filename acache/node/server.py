@@ -260,6 +260,10 @@ class ControlServer:
             def progress(info: dict) -> None:
                 self._send(conn, {"progress": info})
             return n.flush(req.get("path"), req.get("timeout"), progress)
+        if op == "journal":
+            return n.journal(req.get("limit") or 100)
+        if op == "journal_skip":
+            return n.journal_skip(req["seq"], req.get("reason") or "")
         if op == "down":
             res = n.shutdown(flush=req.get("flush", True), timeout=req.get("timeout"))
             return {**res, "cache_dir": str(n.settings.cache_path)}

@@ -131,6 +131,11 @@ def test_kill9_during_save_and_persist(crash_node, tmp_path, framework):
             node.restart()
             node.flush()
             mnt, ufs = tree(node.mnt / sub), tree(node.ufs_dir / sub)
+            # a file open for writing at the kill and never fsynced stays on the mount,
+            # unpublished (README: a crash while a file is open for writing)
+            for f in node.status(str(node.mnt / sub))["files"]:
+                if f["state"] == "unacknowledged":
+                    mnt[0].pop(f["path"][len(sub) + 1:], None)
             assert_same_files(mnt, ufs, f"{sub}: mount vs under-storage after restart", loose={})
     assert w.scans > 10
     assert not w.found, f"seed {seed}: " + "\n".join(w.found)

@@ -25,11 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Rig:
-    def __init__(self, tmp, store=None, kv=None, flush_delay=0.0):
+    def __init__(self, tmp, store=None, kv=None, flush_delay=0.0, clock=time.monotonic):
         self.tmp = tmp
         self.store = store or MemStore("mem://t")
         self.kv = kv or MemKV()
-        self.meta = MetaStore(self.kv)
+        self.meta = MetaStore(self.kv, clock=clock)
         self.cache = CacheDir(str(tmp / "cache"), 1 << 30, 5)
         self.p = Persister(self.meta, self.cache, self.store, flush_delay=flush_delay, concurrency=2)
         self.vfs = VFS(self.meta, self.cache, self.store, self.p, chunk_size=1 << 20)
