@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
+import subprocess
 import threading
 
 import pyfuse3
@@ -207,10 +207,24 @@ class Ops(pyfuse3.Operations):
         return True
 
 
+def force_unmount(mountpoint: str) -> bool:
+    """Detach ``mountpoint`` lazily: an argument list, never a shell (a path may hold
+    quotes, spaces or ``$(...)``).  False when neither umount nor fusermount3 did it."""
+    for argv in (["umount", "-l", "--", mountpoint], ["fusermount3", "-u", "-z", "--", mountpoint]):
+        try:
+            if subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=30).returncode == 0:
+                return True
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return False
+
+
 class Pyfuse3Engine:
     """Runs pyfuse3's trio loop in a thread of the node process."""
 
     passthrough_active = False
+    stop_timeout = 10.0     # seconds for the loop to end before the mount is detached
 
     def __init__(self, vfs, mountpoint: str, *, fsname: str = "acache") -> None:
         self.vfs, self.mountpoint, self.fsname = vfs, mountpoint, fsname
@@ -256,9 +270,9 @@ class Pyfuse3Engine:
             trio.from_thread.run_sync(pyfuse3.terminate, trio_token=self._token)
         except Exception:
             pass
-        self._done.wait(10)
-        if not self._done.is_set():
-            os.system(f"umount -l {self.mountpoint!r} 2>/dev/null")
+        self._done.wait(self.stop_timeout)
+        if not self._done.is_set() and not force_unmount(self.mountpoint):
+            log.warning("could not detach %s", self.mountpoint)
 
     def wait(self) -> None:
         self._done.wait()
