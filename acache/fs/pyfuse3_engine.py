@@ -15,6 +15,7 @@ import pyfuse3
 import trio
 
 from acache.errors import FsError
+from acache.fs import pyfuse3_loop
 from acache.fs.types import STATE_XATTR, Attr, Ctx
 
 log = logging.getLogger("acache.fs.pyfuse3")
@@ -238,7 +239,7 @@ class Pyfuse3Engine:
         opts = set(pyfuse3.default_options)
         opts.discard("default_permissions")
         opts |= {f"fsname={self.fsname}", "subtype=acache", "allow_other", "default_permissions"}
-        pyfuse3.init(Ops(self.vfs), self.mountpoint, opts)
+        pyfuse3_loop.init(Ops(self.vfs), self.mountpoint, opts)
         self._thread = threading.Thread(target=self._run, name="acache-pyfuse3", daemon=True)
         self._thread.start()
         self._ready.wait()
