@@ -5,9 +5,11 @@ in the one thread that runs the trio loop.  The kernel can take back what made t
 readable in between: a queued INTERRUPT is dropped when its request is answered (with
 io_uring I/O in flight, completions interrupt the submitter's other requests all the
 time), a queued request is dropped when its caller is killed.  The read then sleeps in
-the kernel with the trio loop inside it, so no answer a worker thread has computed
-(getattr, getxattr, read-through) can be sent until some new request arrives: requests
-hung until an unrelated operation touched the mount.
+the kernel with the trio loop inside it -- and with the GIL held (pyfuse3 does not
+release it around the read), so the whole daemon stops: no answer a worker thread has
+computed (getattr, getxattr, read-through) is sent, nothing persists, the control socket
+is dead, until some new request arrives.  Requests hung until an unrelated operation
+touched the mount.
 
 Two changes, both made once per process before the loop starts:
 
