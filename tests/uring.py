@@ -110,7 +110,7 @@ def watchdog(path: str, seconds: float, depth: int) -> dict:
                 if res < 0:
                     raise OSError(-res, f"io_uring read: {os.strerror(-res)}")
                 done += 1
-            for k in worst:
+            for k in list(worst):
                 t = time.monotonic()
                 while True:     # (a spurious EINTR is counted: another test's business)
                     try:

@@ -214,7 +214,7 @@ def force_unmount(mountpoint: str) -> bool:
     for argv in (["umount", "-l", "--", mountpoint], ["fusermount3", "-u", "-z", "--", mountpoint]):
         try:
             if subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, timeout=30).returncode == 0:
+                              stderr=subprocess.DEVNULL, timeout=30, check=False).returncode == 0:
                 return True
         except (OSError, subprocess.TimeoutExpired):
             continue

@@ -10,7 +10,6 @@ import os
 import pytest
 
 from tests.e2e.contract_util import pattern
-from tests.e2e.variants import make_variant_node, variant  # noqa: F401 - fixtures
 
 KEEP_SIZE, PUNCH_HOLE, COLLAPSE_RANGE, ZERO_RANGE = 0x01, 0x02, 0x08, 0x10
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -2,8 +2,6 @@
 import os
 import uuid
 
-from tests.e2e.variants import make_variant_node, variant  # noqa: F401 - fixtures
-
 
 def test_hostile_mount_path_mounts_and_unmounts(make_variant_node):
     marker = f"/tmp/pwned-{uuid.uuid4().hex[:12]}"

@@ -16,7 +16,6 @@ import time
 import pytest
 
 from tests.e2e.contract_util import pattern
-from tests.e2e.variants import make_variant_node, variant  # noqa: F401 - fixtures
 
 RUN = 20          # seconds of load
 BOUND = 30.0      # no single call may take this long

@@ -105,43 +105,47 @@ def mounted(tmp_path):
     assert not os.path.ismount(mnt)
 
 
+def _trial(vfs, token, mnt: str, devfd: int, trial: int) -> bool:
+    """One attempt to stage the race; True if it was staged.  Every answer must arrive."""
+    unsticker = _unsticker(mnt)
+    # a request answered by a worker thread once the lock is free again
+    with vfs.lock:
+        waiter = _getxattr(os.path.join(mnt, "f"), "user.acache.state")
+        _until(lambda: _waiting_on_fuse(waiter.pid), "the getxattr to reach the daemon")
+        _until(lambda: not pyfuse3_loop.readable_now(devfd), "the daemon to read it")
+        held0, free0 = threading.Event(), threading.Event()
+        held1, free1 = threading.Event(), threading.Event()
+        token.run_sync_soon(lambda: (held0.set(), free0.wait(10)))
+        _until(held0.is_set, "the trio thread to be held")
+        victim = _getxattr(mnt, "user.anything")     # queued: nobody reads now
+        _until(lambda: pyfuse3_loop.readable_now(devfd), "the victim's request")
+        token.run_sync_soon(lambda: (held1.set(), free1.wait(10)))
+        free0.set()
+        _until(held1.is_set, "the second hold")
+        # the reader woken by the victim's request runs in this batch, after us
+        # (or it ran before us and read it: then this trial stages nothing)
+        staged = pyfuse3_loop.readable_now(devfd)
+        victim.send_signal(signal.SIGKILL)   # a queued request of a killed caller is dropped
+        if staged:
+            _until(lambda: not pyfuse3_loop.readable_now(devfd), "the request to go")
+        free1.set()
+    # both callers get their answers (the waiter's is computed by a worker thread)
+    _answered(victim, mnt, trial)
+    _answered(waiter, mnt, trial)
+    try:
+        unsticker.communicate(b"k", timeout=20)
+    except (BrokenPipeError, subprocess.TimeoutExpired):
+        pass
+    assert unsticker.wait(timeout=20) == 0, \
+        f"trial {trial}: answers waited for an unrelated request (the loop slept in read())"
+    return staged
+
+
 def test_a_request_taken_back_never_stalls_the_loop(mounted):
     vfs, eng, mnt, devfd = mounted
-    token = eng._token
     staged = 0
     for trial in range(40):
+        staged += _trial(vfs, eng._token, mnt, devfd, trial)
         if staged >= 3:
             break
-        unsticker = _unsticker(mnt)
-        # a request answered by a worker thread once the lock is free again
-        with vfs.lock:
-            waiter = _getxattr(os.path.join(mnt, "f"), "user.acache.state")
-            _until(lambda: _waiting_on_fuse(waiter.pid), "the getxattr to reach the daemon")
-            _until(lambda: not pyfuse3_loop.readable_now(devfd), "the daemon to read it")
-            held0, free0 = threading.Event(), threading.Event()
-            held1, free1 = threading.Event(), threading.Event()
-            token.run_sync_soon(lambda: (held0.set(), free0.wait(10)))
-            _until(held0.is_set, "the trio thread to be held")
-            victim = _getxattr(mnt, "user.anything")     # queued: nobody reads now
-            _until(lambda: pyfuse3_loop.readable_now(devfd), "the victim's request")
-            token.run_sync_soon(lambda: (held1.set(), free1.wait(10)))
-            free0.set()
-            _until(held1.is_set, "the second hold")
-            # the reader woken by the victim's request runs in this batch, after us
-            # (or it ran before us and read it: then this trial stages nothing)
-            taken_back = pyfuse3_loop.readable_now(devfd)
-            victim.send_signal(signal.SIGKILL)   # a queued request of a killed caller is dropped
-            if taken_back:
-                _until(lambda: not pyfuse3_loop.readable_now(devfd), "the request to go")
-                staged += 1
-            free1.set()
-        # both callers get their answers (the waiter's is computed by a worker thread)
-        _answered(victim, mnt, trial)
-        _answered(waiter, mnt, trial)
-        try:
-            unsticker.communicate(b"k", timeout=20)
-        except (BrokenPipeError, subprocess.TimeoutExpired):
-            pass
-        assert unsticker.wait(timeout=20) == 0, \
-            f"trial {trial}: answers waited for an unrelated request (the loop slept in read())"
     assert staged >= 3, "the race was never staged"
