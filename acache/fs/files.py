@@ -283,6 +283,11 @@ class FileOps:
             self._written_after_close(h)
         if _libc.fallocate(h.fd, mode, offset, length) != 0:
             raise FsError(ctypes.get_errno())
+        if mode != FALLOC_FL_KEEP_SIZE:
+            # bytes or size may have changed within the cache filesystem's timestamp
+            # granularity: its close journals it whatever (size, mtime) then says
+            with self.lock:
+                self._sig.pop(h.ino, None)
         if not punch:  # the blocks are the cache's now, like written bytes
             self.cache.grow(h.ino, h.gen, offset + length)
 
