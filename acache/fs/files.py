@@ -8,6 +8,7 @@ writes.  Readers keep the generation they opened.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -17,6 +18,10 @@ from dataclasses import dataclass
 from acache.errors import AcacheError, FsError
 from acache.meta import journal
 from acache.meta.store import Inode
+
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
 @dataclass
@@ -273,6 +278,33 @@ class FileOps:
         n = os.pwrite(h.fd, data, offset)
         self.cache.account(h.ino, h.gen, offset + n)
         return n
+
+    def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) through an open write handle, done on its cache file like a write
+        (the file is journaled at its close if its bytes or size changed): allocation,
+        with or without FALLOC_FL_KEEP_SIZE; PUNCH_HOLE|KEEP_SIZE; ZERO_RANGE.  Other
+        modes: EOPNOTSUPP (a program then writes the zeros itself); a mode the cache
+        filesystem lacks: its errno."""
+        known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
+        punch = bool(mode & FALLOC_FL_PUNCH_HOLE)
+        if mode & ~known or (punch and (mode & FALLOC_FL_ZERO_RANGE or not mode & FALLOC_FL_KEEP_SIZE)):
+            raise FsError(errno.EOPNOTSUPP)
+        if offset < 0 or length <= 0:
+            raise FsError(errno.EINVAL)
+        h = self._handle(fh)
+        if not h.writable:
+            raise FsError(errno.EBADF)
+        if h.closed:   # through a dup'd descriptor after a close
+            self._written_after_close(h)
+        if _libc.fallocate(h.fd, mode, offset, length) != 0:
+            raise FsError(ctypes.get_errno())
+        if mode != FALLOC_FL_KEEP_SIZE:
+            # bytes or size may have changed within the cache filesystem's timestamp
+            # granularity: its close journals it whatever (size, mtime) then says
+            with self.lock:
+                self._sig.pop(h.ino, None)
+        if not punch:  # the blocks are the cache's now, like written bytes
+            self.cache.grow(h.ino, h.gen, offset + length)
 
     def _gen_writers(self, ino: int, gen: int) -> bool:
         return bool(self._wgen.get((ino, gen)))

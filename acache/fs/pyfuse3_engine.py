@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
+import subprocess
 import threading
 
 import pyfuse3
 import trio
 
 from acache.errors import FsError
+from acache.fs import pyfuse3_loop
 from acache.fs.types import STATE_XATTR, Attr, Ctx
 
 log = logging.getLogger("acache.fs.pyfuse3")
@@ -219,10 +220,24 @@ class Ops(pyfuse3.Operations):
         return True
 
 
+def force_unmount(mountpoint: str) -> bool:
+    """Detach ``mountpoint`` lazily: an argument list, never a shell (a path may hold
+    quotes, spaces or ``$(...)``).  False when neither umount nor fusermount3 did it."""
+    for argv in (["umount", "-l", "--", mountpoint], ["fusermount3", "-u", "-z", "--", mountpoint]):
+        try:
+            if subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=30, check=False).returncode == 0:
+                return True
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return False
+
+
 class Pyfuse3Engine:
     """Runs pyfuse3's trio loop in a thread of the node process."""
 
     passthrough_active = False
+    stop_timeout = 10.0     # seconds for the loop to end before the mount is detached
 
     def __init__(self, vfs, mountpoint: str, *, fsname: str = "acache") -> None:
         self.vfs, self.mountpoint, self.fsname = vfs, mountpoint, fsname
@@ -236,7 +251,7 @@ class Pyfuse3Engine:
         opts = set(pyfuse3.default_options)
         opts.discard("default_permissions")
         opts |= {f"fsname={self.fsname}", "subtype=acache", "allow_other", "default_permissions"}
-        pyfuse3.init(Ops(self.vfs), self.mountpoint, opts)
+        pyfuse3_loop.init(Ops(self.vfs), self.mountpoint, opts)
         self._thread = threading.Thread(target=self._run, name="acache-pyfuse3", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -268,9 +283,9 @@ class Pyfuse3Engine:
             trio.from_thread.run_sync(pyfuse3.terminate, trio_token=self._token)
         except Exception:
             pass
-        self._done.wait(10)
-        if not self._done.is_set():
-            os.system(f"umount -l {self.mountpoint!r} 2>/dev/null")
+        self._done.wait(self.stop_timeout)
+        if not self._done.is_set() and not force_unmount(self.mountpoint):
+            log.warning("could not detach %s", self.mountpoint)
 
     def wait(self) -> None:
         self._done.wait()

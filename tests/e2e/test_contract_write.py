@@ -118,7 +118,7 @@ def test_append(space):
     os.write(fd, b"tail")
     os.close(fd)
     want += b"tail"
-    subprocess.run(f"echo -n shell >> {p}", shell=True, check=True)
+    subprocess.run(["sh", "-c", 'printf shell >> "$1"', "sh", p], check=True)
     want += b"shell"
     assert p.read_bytes() == want
     space.flush()

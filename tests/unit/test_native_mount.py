@@ -129,7 +129,7 @@ def test_shell_tools(mounted):
     subprocess.run(["dd", f"if={src}", f"of={m.p('dd.bin')}", "bs=1M", "conv=fsync"],
                    check=True, capture_output=True)
     subprocess.run(["cp", m.p("dd.bin"), m.p("cp.bin")], check=True)
-    subprocess.run(f"cat {m.p('cp.bin')} > {m.p('cat.bin')}", shell=True, check=True)
+    subprocess.run(["sh", "-c", 'cat "$1" > "$2"', "sh", m.p("cp.bin"), m.p("cat.bin")], check=True)
     for name in ("dd.bin", "cp.bin", "cat.bin"):
         assert _sha(m.p(name)) == _sha(src)
     subprocess.run(["cmp", src, m.p("cat.bin")], check=True)

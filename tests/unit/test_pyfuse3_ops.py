@@ -43,3 +43,19 @@ def test_state_xattr_goes_to_the_vfs():
     vfs = CountingVFS()
     assert _getxattr(Ops(vfs), STATE_XATTR) == b"dirty"
     assert vfs.calls == ["getxattr"]
+
+
+def test_stop_fallback_runs_no_shell(tmp_path, monkeypatch):
+    """When the loop does not end, the mount is detached with an argument list: a
+    mount path holding a quote and ``$(...)`` never runs a command."""
+    from acache.fs.pyfuse3_engine import Pyfuse3Engine
+    monkeypatch.chdir(tmp_path)      # a shell would run `touch pwned` here
+    marker = tmp_path / "pwned"
+    mnt = tmp_path / "it's a $(touch pwned) mount"
+    mnt.mkdir()
+    eng = Pyfuse3Engine(None, str(mnt))
+    eng._token = object()            # a loop that never answers terminate()
+    eng.stop_timeout = 0.05
+    eng.stop()
+    assert not marker.exists(), "the mount path was run by a shell"
+    assert mnt.is_dir()

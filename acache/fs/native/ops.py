@@ -7,7 +7,6 @@ and here; lookup counts and handles live in the VFS.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -21,9 +20,6 @@ from acache.fs.native.session import NO_REPLY, Reply, Request
 from acache.fs.types import RENAME_EXCHANGE, RENAME_NOREPLACE, UTIME_NOW, Attr
 
 log = logging.getLogger("acache.fs.native")
-FALLOC_FL_KEEP_SIZE = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
 # SETATTR valid bits that change no attribute: the handle, the lock owner, ctime
@@ -51,6 +47,7 @@ class Ops:
         self._mknod = getattr(vfs, "mknod", None)
         self._handle_ino = getattr(vfs, "handle_ino", None)
         self._symlink = getattr(vfs, "symlink", None)
+        self._fallocate = getattr(vfs, "fallocate", None)
         self.drop_pages = None      # set by the engine: the kernel's pages of an inode dropped
         self._dirs: dict[int, tuple[int, list]] = {}        # fh -> (next vfs offset, rest)
         self._dirs_lock = threading.Lock()
@@ -329,15 +326,13 @@ class Ops:
         return b""
 
     def fallocate(self, req: Request):
-        """The kernel does not pass fallocate through; for a passthrough open it is done
-        on the cache file (like a write would be).  Others get EOPNOTSUPP, never ENOSYS:
-        that would disable fallocate for the whole mount."""
+        """Done by the VFS on the cache file (the kernel does not pass fallocate through),
+        for any open for writing.  What it does not do is EOPNOTSUPP, never ENOSYS: that
+        would disable fallocate for the whole mount."""
         fh, offset, length, mode, _ = proto.FALLOCATE_IN.unpack_from(req.body)
-        fd = self.vfs.passthrough_fd(fh) if self.table.is_passthrough(fh) else None
-        if fd is None or mode & ~FALLOC_FL_KEEP_SIZE:
+        if self._fallocate is None:
             raise FsError(errno.EOPNOTSUPP)
-        if _libc.fallocate(fd, mode, offset, length) != 0:
-            raise FsError(ctypes.get_errno())
+        self._fallocate(fh, mode, offset, length)
         return b""
 
     # --- directories -----------------------------------------------------------------------
