@@ -114,7 +114,8 @@ class FileOps:
                 raise FsError(errno.EEXIST)
             txn = self.meta.txn()
             now = time.time_ns()
-            node = self.meta.new_inode(txn, mode=0o100000 | (mode & 0o7777), uid=ctx.uid, gid=ctx.gid,
+            gid, mode = self._group_of_new(p, ctx, mode & 0o7777)
+            node = self.meta.new_inode(txn, mode=0o100000 | mode, uid=ctx.uid, gid=gid,
                                        atime_ns=now, mtime_ns=now, ctime_ns=now, parent=parent,
                                        name=name, dirty=True, cached=True)
             self.cache.create_empty(node.ino, 0)

@@ -136,6 +136,15 @@ class VFS(FileOps):
         if not name or b"/" in name or name in (b".", b".."):
             raise FsError(errno.EINVAL)
 
+    @staticmethod
+    def _group_of_new(p: Inode, ctx: Ctx, mode: int, is_dir: bool = False) -> tuple[int, int]:
+        """(gid, mode) of an entry created in ``p`` by ``ctx``: in a set-group-ID directory
+        it takes the directory's group, and a new directory keeps the bit (what ext4 and
+        every local filesystem do; a group-shared checkpoint tree relies on it)."""
+        if not p.mode & st.S_ISGID:
+            return ctx.gid, mode
+        return p.gid, (mode | st.S_ISGID) if is_dir else mode
+
     # -- lookups ----------------------------------------------------------------------
     def lookup(self, parent: int, name: bytes, ctx: Ctx | None = None) -> Attr:
         if name == b".":
@@ -206,8 +215,9 @@ class VFS(FileOps):
                 raise FsError(errno.EEXIST)
             txn = self.meta.txn()
             now = _now()
-            node = self.meta.new_inode(txn, mode=st.S_IFDIR | (mode & 0o7777), nlink=2, uid=ctx.uid,
-                                       gid=ctx.gid, atime_ns=now, mtime_ns=now, ctime_ns=now,
+            gid, mode = self._group_of_new(p, ctx, mode & 0o7777, is_dir=True)
+            node = self.meta.new_inode(txn, mode=st.S_IFDIR | mode, nlink=2, uid=ctx.uid,
+                                       gid=gid, atime_ns=now, mtime_ns=now, ctime_ns=now,
                                        parent=parent, name=name, listed=True, cached=True)
             txn.link(parent, name, node.ino)
             p.nlink += 1
@@ -232,7 +242,8 @@ class VFS(FileOps):
                 raise FsError(errno.EEXIST)
             txn = self.meta.txn()
             now = _now()
-            node = self.meta.new_inode(txn, mode=st.S_IFLNK | 0o777, uid=ctx.uid, gid=ctx.gid,
+            gid, _ = self._group_of_new(p, ctx, 0o777)
+            node = self.meta.new_inode(txn, mode=st.S_IFLNK | 0o777, uid=ctx.uid, gid=gid,
                                        size=len(target), atime_ns=now, mtime_ns=now, ctime_ns=now,
                                        parent=parent, name=name, cached=True, target=target)
             txn.link(parent, name, node.ino)
