@@ -369,6 +369,7 @@ class FileOps:
         node.size = s.st_size
         if sig != self._sig.get(h.ino):      # unchanged since its last journaled close: no upload
             node.mtime_ns = max(node.mtime_ns, s.st_mtime_ns)
+            node.ctime_ns = max(node.ctime_ns, s.st_ctime_ns)
             if node.nlink > 0:
                 journal.journal_put(self.meta, txn, self.persister, node)
         node.dirty = False
@@ -450,6 +451,7 @@ class FileOps:
                 s = os.fstat(h.fd)
                 node.size = s.st_size
                 node.mtime_ns = max(node.mtime_ns, s.st_mtime_ns)
+                node.ctime_ns = max(node.ctime_ns, s.st_ctime_ns)
                 node.synced = s.st_size   # acknowledged: recovery publishes at least this
             txn = self.meta.txn()
             txn.save(node)

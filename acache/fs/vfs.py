@@ -62,14 +62,17 @@ class VFS(FileOps):
 
     def attr(self, node: Inode) -> Attr:
         size, mtime, blocks = node.size, node.mtime_ns, (node.size + 511) // 512
+        ctime = node.ctime_ns
         fd = self._write_fd(node)
-        if fd is not None:
+        if fd is not None:   # written to now: the cache file's times are the file's
             s = os.fstat(fd)
             size, mtime, blocks = s.st_size, max(mtime, s.st_mtime_ns), s.st_blocks
+            ctime = max(ctime, s.st_ctime_ns)
         if node.is_dir:
             size, blocks = 4096, 8
+        # ctime is the last change, never the mtime a program set (touch -d, tar, cp -p)
         return Attr(ino=node.ino, mode=node.mode, nlink=node.nlink, uid=node.uid, gid=node.gid,
-                    size=size, atime_ns=node.atime_ns, mtime_ns=mtime, ctime_ns=max(node.ctime_ns, mtime),
+                    size=size, atime_ns=node.atime_ns, mtime_ns=mtime, ctime_ns=ctime,
                     blocks=blocks)
 
     def _touch_dir(self, txn, node: Inode) -> None:
@@ -595,6 +598,7 @@ class VFS(FileOps):
             try:
                 s = os.stat(self.cache.path(node.ino, node.gen))
                 node.size, node.mtime_ns = s.st_size, max(node.mtime_ns, s.st_mtime_ns)
+                node.ctime_ns = max(node.ctime_ns, s.st_ctime_ns)
             except FileNotFoundError:
                 self.cache.create_empty(node.ino, node.gen)
                 node.size = 0
@@ -608,6 +612,7 @@ class VFS(FileOps):
         try:
             s = os.stat(self.cache.path(node.ino, node.gen))
             size, mtime = s.st_size, s.st_mtime_ns
+            node.ctime_ns = max(node.ctime_ns, s.st_ctime_ns)
         except FileNotFoundError:
             size, mtime = -1, 0
         if size < node.synced:   # missing or short: the PUT fails and says so, never uploads less

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 NOBODY = 65534
 GROUP = 4242
@@ -58,3 +59,36 @@ def test_setgid_directory_gives_its_group_to_new_entries(space):
     space.flush()
     assert os.stat(space.ufs_dir / "shared" / "f").st_gid == GROUP
     assert os.stat(space.ufs_dir / "shared" / "sub").st_gid == GROUP
+
+
+def test_ctime_is_the_last_change_not_a_set_mtime(space):
+    # tar, cp -p and touch -d set mtimes in the past or the future: ctime stays the time of
+    # the change (ext4), never the mtime given, closed or open for writing
+    future, past = 4_102_444_800_000_000_000, 1_000_000_000_000_000_000
+    f = space.mnt / "f"
+    f.write_bytes(b"x")
+    os.utime(f, ns=(future, future))
+    after = time.time_ns()
+    s = os.stat(f)
+    assert s.st_mtime_ns == future
+    assert s.st_ctime_ns <= after
+    d = space.mnt / "d"
+    d.mkdir()
+    os.utime(d, ns=(future, future))
+    assert os.stat(d).st_ctime_ns <= time.time_ns()
+    with open(space.mnt / "g", "wb", buffering=0) as w:
+        w.write(b"abc")
+        os.utime(w.fileno(), ns=(future, future))
+        assert os.fstat(w.fileno()).st_ctime_ns <= time.time_ns()
+    assert os.stat(space.mnt / "g").st_ctime_ns <= time.time_ns()
+    # a write after a past mtime: mtime and ctime move to the write, ctime never behind
+    os.utime(f, ns=(past, past))
+    with open(f, "ab", buffering=0) as w:
+        w.write(b"y")
+        s = os.fstat(w.fileno())
+        assert s.st_mtime_ns > past and s.st_ctime_ns >= s.st_mtime_ns
+    s = os.stat(f)
+    assert s.st_mtime_ns > past and s.st_ctime_ns >= s.st_mtime_ns
+    space.flush()
+    s = os.stat(f)
+    assert s.st_mtime_ns > past and s.st_ctime_ns >= s.st_mtime_ns
