@@ -20,7 +20,7 @@ import logging
 import stat as st
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterator
 
 import msgpack
@@ -31,6 +31,13 @@ from acache.meta.kv import KV
 ROOT_INO = 1
 _NAMES = "surrogateescape"   # paths are str decoded with surrogateescape: any bytes
 log = logging.getLogger("acache.meta")
+
+
+def _pack(obj, names: tuple[str, ...]) -> bytes:
+    """A flat dataclass as a msgpack map (what asdict gives, without its deep copy: 5x
+    faster, and every namespace operation packs a few)."""
+    return msgpack.packb({n: getattr(obj, n) for n in names}, use_bin_type=True,
+                         unicode_errors=_NAMES)
 
 
 @dataclass
@@ -58,7 +65,7 @@ class Inode:
         return st.S_ISDIR(self.mode)
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True, unicode_errors=_NAMES)
+        return _pack(self, _INODE_FIELDS)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Inode":
@@ -87,7 +94,7 @@ class Entry:
                               # place but waits for the next close (journal.hold_put)
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True, unicode_errors=_NAMES)
+        return _pack(self, _ENTRY_FIELDS)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Entry":
@@ -98,6 +105,10 @@ class Entry:
         if not prefix:
             return True
         return any(p == prefix or p.startswith(prefix + "/") for p in (self.path, self.dst) if p)
+
+
+_INODE_FIELDS = tuple(f.name for f in fields(Inode))
+_ENTRY_FIELDS = tuple(f.name for f in fields(Entry))
 
 
 def _drop(index: dict[int, set[int]], key: int, seq: int) -> None:
