@@ -330,7 +330,11 @@ class Ops:
             with self._dirs_lock:
                 self._open_dirs.discard(fh)
             self.vfs.releasedir(fh)
-        return Reply(proto.OPEN_OUT.pack(fh, 0, 0), undo)
+        # The kernel may keep the listing across opens: every change of a directory's
+        # entries comes through the kernel (which then drops it) or, for a directory's
+        # under-storage entries, before its first listing (opendir merges them)
+        return Reply(proto.OPEN_OUT.pack(fh, proto.FOPEN_CACHE_DIR | proto.FOPEN_KEEP_CACHE, 0),
+                     undo)
 
     def releasedir(self, req: Request):
         fh = proto.RELEASE_IN.unpack_from(req.body)[0]
