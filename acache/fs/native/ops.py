@@ -22,6 +22,8 @@ from acache.fs.types import RENAME_EXCHANGE, RENAME_NOREPLACE, UTIME_NOW, Attr
 
 log = logging.getLogger("acache.fs.native")
 FALLOC_FL_KEEP_SIZE = 1
+CREATED_ATTR_VALID = 0.01   # s: the attributes of a file CREATE just made (the mtime granularity
+                            # of ext4 is a jiffy, 1-10 ms)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
@@ -255,7 +257,11 @@ class Ops:
         except BaseException:
             self._undo_open(fh, a.ino)()
             raise
-        return Reply([self._entry(a), open_out], self._undo_open(fh, a.ino))
+        # Its attributes hold for a few ms, not 0 as for other files open for writing: that
+        # spares the GETATTR the kernel sends right after every CREATE, and the kernel keeps
+        # size and times itself for writes through it (passthrough or not)
+        entry = proto.pack_entry(a, self.entry_timeout, min(CREATED_ATTR_VALID, self.attr_timeout))
+        return Reply([entry, open_out], self._undo_open(fh, a.ino))
 
     def open(self, req: Request):
         flags, open_flags = proto.OPEN_IN.unpack_from(req.body)
