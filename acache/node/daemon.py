@@ -22,6 +22,12 @@ from acache.meta.kv_rocks import RocksKV
 from acache.meta.store import MetaStore
 
 log = logging.getLogger("acache.node")
+# How long the kernel may keep a name -> inode answer. The namespace changes only through
+# the one mount (create, rename, unlink... update the kernel's names as they happen; an
+# under-storage directory's entries are merged before anything of it is looked up or
+# listed, and a missing name is never kept), so a name cannot go stale: a long timeout
+# spares a LOOKUP per path operation on a file not touched for a second.
+NATIVE_ENTRY_TIMEOUT = 60.0
 
 
 def _check_writable(path: Path, what: str) -> None:
@@ -97,7 +103,8 @@ class Node:
                 if not ok:
                     why = f"no passthrough ({why}); the native engine serves the data itself"
                 return "native", why, lambda mp: NativeEngine(self.vfs, mp, passthrough=ok,
-                                                              max_stack_depth=depth)
+                                                              max_stack_depth=depth,
+                                                              entry_timeout=NATIVE_ENTRY_TIMEOUT)
             return "pyfuse3", f"no passthrough ({why}) and {why_not}", None
         if want == "pyfuse3":
             return "pyfuse3", "asked for", None
@@ -243,6 +250,7 @@ class Node:
                 "persisted_files": p.files_done, "last_error": p.last_error,
                 "failed": len(p.failed), "stalls": c.stalls,
                 "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
+                "fuse_requests": getattr(self.engine, "op_counts", dict)(),   # native: by opcode
             }
             if path is not None:
                 rel = self.rel(path)
