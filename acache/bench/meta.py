@@ -1,12 +1,12 @@
-"""Case 6: metadata speed. One process does each operation on ``n`` files in one directory,
-one phase after the other, and times each phase: ops/s per operation. The files are spread
-over directories of ``per_dir`` (1,000: the shape of a checkpoint, one directory per save).
+"""Case 6: metadata speed. One process does each operation on ``n`` files, one phase after
+the other, and times each phase: ops/s per operation. The files are spread over directories
+of ``per_dir`` (1,000: the shape of a checkpoint, one directory per save).
 
     create   open(O_CREAT|O_WRONLY|O_TRUNC) + write 4 KiB + close
     stat     os.stat of every file
     rename   every file to a new name in the same directory
     utime    os.utime of every file (explicit times)
-    readdir  os.listdir of the directory, ``n`` names per listing (counted as n ops)
+    readdir  os.listdir of every directory, 5 times (each name listed counts as one op)
     unlink   every file
 
 Runnable alone: ``python -m acache.bench.meta DIR [N]`` prints the ops/s as JSON."""
