@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from acache.bench import fio
+from acache.bench.meta import LABELS as META_LABELS, OPS as META_OPS, run_meta
 from acache.bench.ckpt import CkptWorkers, WorkerError
 from acache.bench.procs import Owned, drop_caches
 from acache.bench.report import Measurement
@@ -331,6 +332,29 @@ class Bench:
         dt = time.perf_counter() - t0
         dst.unlink()
         return self._rate(src.stat().st_size, dt)
+
+    # -- case 6 ------------------------------------------------------------------------------------
+    def meta_case(self) -> None:
+        """Metadata ops/s: each target runs every operation on the same files, next to the
+        raw directory on the cache filesystem; settled and emptied between targets."""
+        places: list[Place] = [Place("raw", self.raw), *self.acache_places("file")]
+        n = self.a.meta_files
+        for rep in range(self.a.repeat):
+            for p in rotate(places, rep):
+                if ("*", p.id) in self.broken or (6, "*", p.id) in self.broken:
+                    continue
+                sub = "meta"
+                try:
+                    rates = run_meta(p.base / sub, n)
+                except Exception as e:
+                    self.broken.add((6, "*", p.id))
+                    self.note(f"case 6, {p.id}, rep {rep + 1}: {type(e).__name__}: {e}")
+                    self.settle(p, sub)
+                    continue
+                for op in META_OPS:
+                    self.measure(6, META_LABELS[op], p.id, rep, "ops_s", "raw",
+                                 lambda op=op: {"ops_s": rates[op]})
+                self.settle(p, sub)
 
     def _through(self, p: AcachePlace, src: Path) -> dict:
         dst = p.dir("persist") / "persist.bin"

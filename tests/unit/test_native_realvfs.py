@@ -136,3 +136,57 @@ def test_reader_open_while_rewritten(node):
         assert f.read() == b"new"
     node.drain()
     assert node.files()["f"] == b"new"
+
+
+def test_directory_listing_is_kept_by_the_kernel_until_it_changes(node):
+    # listing a checkpoint directory again (a loader's glob, `ls`) costs no request; a
+    # change through the mount shows in the next listing at once
+    d = node.p("ck")
+    os.mkdir(d)
+    names = {f"shard{i}" for i in range(20)}
+    for n in names:
+        with open(os.path.join(d, n), "wb") as f:
+            f.write(b"x")
+    assert set(os.listdir(d)) == names
+
+    def listings() -> int:
+        c = node.eng.op_counts()
+        return c.get("READDIR", 0) + c.get("READDIRPLUS", 0)
+    before = listings()
+    for _ in range(3):
+        assert set(os.listdir(d)) == names
+    assert listings() == before
+    with open(os.path.join(d, "new"), "wb") as f:
+        f.write(b"y")
+    os.unlink(os.path.join(d, "shard0"))
+    os.rename(os.path.join(d, "shard1"), os.path.join(d, "moved"))
+    os.mkdir(os.path.join(d, "sub"))
+    want = names - {"shard0", "shard1"} | {"new", "moved", "sub"}
+    assert set(os.listdir(d)) == want
+    os.rename(os.path.join(d, "shard2"), node.p("out"))     # moved to another directory
+    assert set(os.listdir(d)) == want - {"shard2"}
+    assert "out" in os.listdir(node.mnt)
+
+
+def test_create_costs_no_getattr_of_the_new_file(node):
+    # creating a file was LOOKUP, GETATTR (the directory), CREATE, GETATTR (the new file):
+    # the CREATE reply's attributes now hold long enough for the kernel's own open
+    d = node.p("many")
+    os.mkdir(d)
+    before = node.eng.op_counts().get("GETATTR", 0)
+    n = 20
+    for i in range(n):
+        fd = os.open(os.path.join(d, f"f{i}"), os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"x" * (100 + i))
+            assert os.stat(os.path.join(d, f"f{i}")).st_size == 100 + i   # while open
+            os.write(fd, b"y")
+            assert os.fstat(fd).st_size == 101 + i
+        finally:
+            os.close(fd)
+    getattrs = node.eng.op_counts().get("GETATTR", 0) - before
+    # one for the directory per create (the previous create changed it), and those of the
+    # stat/fstat above (the writes drop the kernel's copy): never one after each CREATE
+    assert getattrs <= 3 * n + 2, getattrs         # was 4 * n + 1
+    assert sorted(os.path.getsize(os.path.join(d, f"f{i}")) for i in range(n)) == \
+        [101 + i for i in range(n)]

@@ -24,6 +24,8 @@ log = logging.getLogger("acache.fs.native")
 
 # SETATTR valid bits that change no attribute: the handle, the lock owner, ctime
 _SETATTR_NOTHING = proto.FATTR_FH | proto.FATTR_LOCKOWNER | proto.FATTR_CTIME
+CREATED_ATTR_VALID = 0.01   # s: the attributes of a file CREATE just made (the mtime granularity
+                            # of ext4 is a jiffy, 1-10 ms)
 
 
 def _name(body: memoryview) -> bytes:
@@ -273,7 +275,11 @@ class Ops:
         except BaseException:
             self._undo_open(fh, a.ino)()
             raise
-        return Reply([self._entry(a), open_out], self._undo_open(fh, a.ino))
+        # Its attributes hold for a few ms, not 0 as for other files open for writing: that
+        # spares the GETATTR the kernel sends right after every CREATE, and the kernel keeps
+        # size and times itself for writes through it (passthrough or not)
+        entry = proto.pack_entry(a, self.entry_timeout, min(CREATED_ATTR_VALID, self.attr_timeout))
+        return Reply([entry, open_out], self._undo_open(fh, a.ino))
 
     def open(self, req: Request):
         flags, open_flags = proto.OPEN_IN.unpack_from(req.body)
@@ -346,7 +352,11 @@ class Ops:
             with self._dirs_lock:
                 self._open_dirs.discard(fh)
             self.vfs.releasedir(fh)
-        return Reply(proto.OPEN_OUT.pack(fh, 0, 0), undo)
+        # The kernel may keep the listing across opens: every change of a directory's
+        # entries comes through the kernel (which then drops it) or, for a directory's
+        # under-storage entries, before its first listing (opendir merges them)
+        return Reply(proto.OPEN_OUT.pack(fh, proto.FOPEN_CACHE_DIR | proto.FOPEN_KEEP_CACHE, 0),
+                     undo)
 
     def releasedir(self, req: Request):
         fh = proto.RELEASE_IN.unpack_from(req.body)[0]
