@@ -58,7 +58,16 @@ def _run_foreground(s: config.Settings) -> None:
     config.check_layout(s)
     for warning in config.startup_warnings(s):
         logging.getLogger("acache").warning("%s", warning)
-    node = Node(s)
+    try:
+        node = Node(s)
+    except AcacheError:
+        raise
+    except Exception as e:   # a bug or a state the start does not handle: one line, and
+        # the traceback in the log (the node's stderr is the log when it runs in the background)
+        logging.getLogger("acache").exception("starting the node failed")
+        raise AcacheError(f"starting the node failed: internal error ({type(e).__name__}: {e}) "
+                          f"with the state in {s.cache_path}; please report it with the "
+                          f"traceback in {s.log_path}") from None
     server = ControlServer(node, str(s.socket_path))
 
     def on_signal(signum, frame):

@@ -312,6 +312,10 @@ class MetaStore:
     def children(self, parent: int) -> dict[bytes, int]:
         return self._children.get(parent, {})
 
+    def parents(self) -> list[int]:
+        """The inodes that have directory entries (as the dentries say)."""
+        return list(self._children)
+
     def inodes(self) -> Iterator[Inode]:
         return iter(list(self._inodes.values()))
 
