@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under.mem import MemStore
@@ -16,7 +18,7 @@ from acache.fs.types import ROOT_INO, Ctx
 from acache.fs.vfs import VFS
 from acache.meta import schema as K
 from acache.meta.kv_rocks import RocksKV
-from acache.meta.store import Entry, Inode, MetaStore
+from acache.meta.store import Entry, Inode, MetaStore, MissingInode
 
 REPO = Path(__file__).resolve().parents[2]
 CKPT, STEP_TMP, SHARD, OTHER = 2, 71, 72, 73     # STEP_TMP (a directory) is missing
@@ -52,6 +54,8 @@ def test_recovery_takes_out_inodes_no_name_reaches(tmp_path):
     store = MemStore("mem://t")
     p = Persister(meta, cache, store, flush_delay=0.0)
     vfs = VFS(meta, cache, store, p)
+    with pytest.raises(MissingInode, match="^inode 72 has no path: inode 71 above it is missing"):
+        meta.path_of(SHARD)
     out = vfs.recover()          # was: KeyError: 71
     assert out["detached"] == 1
     assert meta.get(SHARD) is None
