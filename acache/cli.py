@@ -108,8 +108,13 @@ def _start_background(s: config.Settings, argv: list[str]) -> None:
             with open(s.log_path, "rb") as f:
                 f.seek(start)
                 lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-            raise AcacheError(lines[-1].removeprefix("acache: error: ") if lines
-                              else f"the node exited with status {proc.returncode}")
+            said = [ln for ln in lines if ln.startswith("acache: error: ")]
+            if said:        # the node's own one-line error
+                raise AcacheError(said[-1].removeprefix("acache: error: "))
+            # died some other way (a traceback, a signal): say so, and where to look
+            raise AcacheError(f"the node exited with status {proc.returncode} while starting"
+                              + (f" ({lines[-1].strip()})" if lines else "")
+                              + f"; see {s.log_path}")
         if is_running(s.socket_path):
             return
         time.sleep(0.1)
