@@ -58,7 +58,16 @@ def _run_foreground(s: config.Settings) -> None:
     config.check_layout(s)
     for warning in config.startup_warnings(s):
         logging.getLogger("acache").warning("%s", warning)
-    node = Node(s)
+    try:
+        node = Node(s)
+    except AcacheError:
+        raise
+    except Exception as e:   # a bug or a state the start does not handle: one line, and
+        # the traceback in the log (the node's stderr is the log when it runs in the background)
+        logging.getLogger("acache").exception("starting the node failed")
+        raise AcacheError(f"starting the node failed: internal error ({type(e).__name__}: {e}) "
+                          f"with the state in {s.cache_path}; please report it with the "
+                          f"traceback in {s.log_path}") from None
     server = ControlServer(node, str(s.socket_path))
 
     def on_signal(signum, frame):
@@ -99,8 +108,13 @@ def _start_background(s: config.Settings, argv: list[str]) -> None:
             with open(s.log_path, "rb") as f:
                 f.seek(start)
                 lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-            raise AcacheError(lines[-1].removeprefix("acache: error: ") if lines
-                              else f"the node exited with status {proc.returncode}")
+            said = [ln for ln in lines if ln.startswith("acache: error: ")]
+            if said:        # the node's own one-line error
+                raise AcacheError(said[-1].removeprefix("acache: error: "))
+            # died some other way (a traceback, a signal): say so, and where to look
+            raise AcacheError(f"the node exited with status {proc.returncode} while starting"
+                              + (f" ({lines[-1].strip()})" if lines else "")
+                              + f"; see {s.log_path}")
         if is_running(s.socket_path):
             return
         time.sleep(0.1)

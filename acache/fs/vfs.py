@@ -543,6 +543,7 @@ class VFS(FileOps):
                     txn.forget_stage(token)
                     out["stages"] += 1
             known = self.cache.known()
+            out["detached"] = self._drop_detached(txn, known)
             for node in self.meta.inodes():
                 if node.is_dir:
                     continue
@@ -582,6 +583,46 @@ class VFS(FileOps):
                             "the mount no longer shows: %s", len(lost), self.cache.lost_dir,
                             ", ".join(os.path.basename(p) for p in lost[:20]))
         return out
+
+    def _drop_detached(self, txn, known: set) -> int:
+        """Inodes no name reaches (a missing directory above them) and directory entries
+        naming a missing inode: no path can be given to them, so they cannot stay in the
+        namespace (every path_of would fail).  What the cache holds of a detached file
+        that is not journaled (open for writing, unacknowledged) goes to lost+found;
+        journaled PUTs carry their own path and still land.  Returns how many."""
+        meta, bad, ok = self.meta, [], {ROOT_INO}
+        for node in meta.inodes():
+            if node.nlink == 0 and not node.is_dir:
+                continue          # an orphan: dropped below in any case, no path asked
+            chain, ino = [], node.ino
+            while ino not in ok:
+                cur = meta.get(ino)
+                if cur is None or ino in chain:    # missing, or a loop
+                    break
+                chain.append(ino)
+                ino = cur.parent
+            if ino in ok:
+                ok.update(chain)
+            else:
+                bad.append(node)
+        for node in bad:
+            if not node.is_dir:
+                log.error("recovery: inode %d (%r, in directory inode %d) has no path: a directory "
+                          "above it is missing from the metadata; it is taken out of the namespace",
+                          node.ino, node.name.decode("utf-8", "surrogateescape"), node.parent)
+                if (node.dirty or node.local or node.upath is None) and (node.ino, node.gen) in known \
+                        and not self.meta.gen_pending(node.ino, node.gen):
+                    where = self.cache.set_aside(node.ino, node.gen)
+                    known.discard((node.ino, node.gen))
+                    log.error("recovery: its unpersisted content is kept at %s", where)
+            txn.drop_inode(node.ino)
+        for parent in meta.parents():
+            for name, ino in list(meta.children(parent).items()):
+                if meta.get(parent) is None or meta.get(ino) is None:
+                    log.error("recovery: directory entry %r of inode %d names inode %d, which is "
+                              "missing: removed", name.decode("utf-8", "surrogateescape"), parent, ino)
+                    txn.unlink(parent, name)
+        return len(bad)
 
     def _recover_dirty(self, txn, node: Inode) -> None:
         """A file open for writing when the node died: journal what was acknowledged.

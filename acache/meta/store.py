@@ -47,6 +47,13 @@ _NAMES = "surrogateescape"   # paths are str decoded with surrogateescape: any b
 log = logging.getLogger("acache.meta")
 
 
+class MissingInode(KeyError):
+    """A path was asked of an inode that is missing, or that sits below a missing one."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "missing inode"
+
+
 def _known(cls, d: dict) -> dict:
     """A stored record's fields, refusing ones this version does not know: a record of a
     newer acache (a downgrade) may carry a rule this one would break by ignoring it."""
@@ -321,14 +328,22 @@ class MetaStore:
     def children(self, parent: int) -> dict[bytes, int]:
         return self._children.get(parent, {})
 
+    def parents(self) -> list[int]:
+        """The inodes that have directory entries (as the dentries say)."""
+        return list(self._children)
+
     def inodes(self) -> Iterator[Inode]:
         return iter(list(self._inodes.values()))
 
     def path_of(self, ino: int) -> str:
         """The under-storage path ('' for the root) of an inode's current name."""
-        parts = []
+        parts, start = [], ino
         while ino != ROOT_INO:
-            node = self._inodes[ino]
+            node = self._inodes.get(ino)
+            if node is None:
+                raise MissingInode(f"inode {start} has no path: inode {ino}"
+                                   f"{' above it' if ino != start else ''} is missing from the "
+                                   "metadata")
             parts.append(node.name.decode("utf-8", "surrogateescape"))
             ino = node.parent
         return "/".join(reversed(parts))
