@@ -172,6 +172,10 @@ class FileOps:
                 else:
                     self.cache.clone(ino, old_gen, node.gen)
                 node.cached = True
+            # its next close journals it, whatever (size, mtime) then says: a same-size
+            # overwrite within the cache filesystem's timestamp granularity, or one whose
+            # mtime is set back (cp -p, rsync -t), keeps the signature of the last close
+            self._sig.pop(ino, None)
             if trunc:
                 node.size = 0
                 node.synced = min(node.synced, 0)   # what an fsync covered is gone
