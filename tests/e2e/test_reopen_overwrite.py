@@ -5,8 +5,10 @@ close; a same-size overwrite whose mtime equals that (within the cache filesyste
 timestamp granularity, or set back by the writer, as `cp -p` and `rsync -t` do) was
 never journaled: the under-storage kept the old bytes while `flush --wait` succeeded,
 and after the cache was lost the old bytes came back."""
+import mmap
 import os
 import subprocess
+import time
 
 from tests.e2e.contract_util import pattern
 
@@ -88,3 +90,29 @@ def test_write_open_without_write_keeps_content(make_node):
         os.close(os.open(n.mnt / "x.bin", os.O_RDWR))
     n.flush()
     assert n.ufs_files() == {"x.bin": data}
+
+
+def test_mapping_written_after_close_and_landing_lands(make_node):
+    """A shared mapping outlives close(2) of its descriptor (Python's mmap holds a dup):
+    the close journals the file, its PUT lands, then the mapping rewrites the page it
+    had dirtied before the close and is unmapped.  Under kernel passthrough such stores
+    reach the cache file without the daemon and, on a page already dirty, without moving
+    mtime: the last RELEASE must journal the file again."""
+    n = make_node(flush_delay=0.05)
+    p = n.mnt / "m.bin"
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    os.ftruncate(fd, 8192)
+    m = mmap.mmap(fd, 8192)
+    try:
+        m[:] = b"A" * 8192
+        os.close(fd)      # FLUSH: journaled; the mapping (a dup of fd) stays
+        deadline = time.monotonic() + 60
+        while n.ufs_files().get("m.bin") != b"A" * 8192:
+            assert time.monotonic() < deadline, "the close's PUT never landed"
+            time.sleep(0.02)
+        m[:] = b"B" * 8192
+    finally:
+        m.close()         # munmap and close(2) of the dup: FLUSH, RELEASE
+    assert p.read_bytes() == b"B" * 8192
+    n.flush()
+    assert n.ufs_files() == {"m.bin": b"B" * 8192}, "the under-storage kept what the close saw"
