@@ -45,6 +45,8 @@ class FileOps:
         self._wopen: dict[int, int] = {}             # ino -> write handles not yet released
         self._wgen: dict[tuple[int, int], set[int]] = {}   # (ino, gen) -> those write handles
         self._sig: dict[int, tuple[int, int]] = {}   # ino -> (size, mtime) when last journaled
+        self._put_seq: dict[int, int] = {}           # ino -> the PUT its last close journaled
+        self._direct: set[int] = set()               # inos the kernel may write without us
         self._dir_lock = threading.Lock()
 
     def _open_count(self, ino: int) -> int:
@@ -173,6 +175,10 @@ class FileOps:
                 else:
                     self.cache.clone(ino, old_gen, node.gen)
                 node.cached = True
+            # its next close journals it, whatever (size, mtime) then says: a same-size
+            # overwrite within the cache filesystem's timestamp granularity, or one whose
+            # mtime is set back (cp -p, rsync -t), keeps the signature of the last close
+            self._sig.pop(ino, None)
             if trunc:
                 node.size = 0
                 node.synced = min(node.synced, 0)   # what an fsync covered is gone
@@ -230,7 +236,10 @@ class FileOps:
             h = self._handle(fh)
             if opening and h.writable and not self.cache.roomy():
                 return None    # near the limit: served by the daemon, whose writes wait for room
-            return self._local_fd(h)
+            fd = self._local_fd(h)
+            if fd is not None and h.writable:
+                self._direct.add(h.ino)
+            return fd
 
     # -- data ------------------------------------------------------------------------------
     def read(self, fh: int, offset: int, size: int) -> bytes:
@@ -371,7 +380,7 @@ class FileOps:
             node.mtime_ns = max(node.mtime_ns, s.st_mtime_ns)
             node.ctime_ns = max(node.ctime_ns, s.st_ctime_ns)
             if node.nlink > 0:
-                journal.journal_put(self.meta, txn, self.persister, node)
+                self._put_seq[h.ino] = journal.journal_put(self.meta, txn, self.persister, node).seq
         node.dirty = False
         node.synced = -1                     # the close acknowledges it whole
         node.local = ""
@@ -401,8 +410,16 @@ class FileOps:
                 if not self._wopen[h.ino]:
                     del self._wopen[h.ino]
                     self._writers.pop(h.ino, None)
+                    direct = h.ino in self._direct
+                    self._direct.discard(h.ino)
                     if node is not None and node.gen == h.gen:
                         s = os.fstat(h.fd)
+                        if direct and not self._put_unstarted(h.ino):
+                            # the kernel wrote its cache file directly (passthrough) and what
+                            # its close journaled has started or landed: stores through a
+                            # mapping after the close leave mtime alone on pages already
+                            # dirty, so the signature cannot tell; journal it again
+                            self._sig.pop(h.ino, None)
                         if node.dirty or (s.st_size, s.st_mtime_ns) != self._sig.get(h.ino):
                             try:   # written after its close (mmap, dup'd fd)
                                 self._close_file(h)
@@ -415,7 +432,14 @@ class FileOps:
                 self.gc_gen(h.ino, h.gen)
         if reap is not None:
             self._sig.pop(reap.ino, None)
+            self._put_seq.pop(reap.ino, None)
             self._reap(reap)
+
+    def _put_unstarted(self, ino: int) -> bool:
+        """Is the PUT the file's last close journaled still pending, not started (so it
+        will read what the cache file holds by then)?"""
+        seq = self._put_seq.get(ino)
+        return seq is not None and self.meta.entry(seq) is not None and self.persister.state(seq) == ""
 
     def journal_unjournaled(self) -> list[int]:
         """Files whose last close could not be journaled (a metadata write failed) are

@@ -200,6 +200,7 @@ class VFS(FileOps):
                 fd = self._write_fd(node)
                 if fd is not None:   # keep fstat-based answers in step while open for writing
                     os.utime(fd, ns=(node.atime_ns or now, node.mtime_ns))
+                    self._sig.pop(ino, None)   # a set mtime says nothing of its bytes
             node.ctime_ns = now
             txn.save(node)
             if {mode, uid, gid, mtime_ns} != {None}:
