@@ -62,11 +62,25 @@ def test_deleted_wal_keeps_closed_files_in_lost_found(make_node):
     assert (n.home / "cache" / "lost+found").stat().st_mode & 0o777 == 0o700
 
 
+def _all_kept_or_reported(n, data: dict) -> None:
+    """Every closed file is persisted, shown 'unacknowledged' on the mount, or kept in
+    lost+found -- and a file not persisted is never dropped without a report."""
+    n.flush(timeout=60)
+    st = n.status(str(n.mnt))
+    unacked = {f["path"] for f in st["files"] if f["state"] == "unacknowledged"}
+    persisted = set(n.ufs_files().values())
+    found = set(_lost_found(n).values())
+    kept = persisted | found | {(n.mnt / p).read_bytes() for p in unacked}
+    for name, b in data.items():
+        assert b in kept, f"{name}: neither persisted, in lost+found nor shown unacknowledged"
+    assert st["lost_found_files"] == len(_lost_found(n)), st   # reported, not only kept
+
+
 @pytest.mark.e2e
-def test_damaged_wal_refuses_to_start_then_salvage_reports(make_node):
-    """A truncated WAL: the node refuses to start with one line naming the damage and the
-    way out; started with ACACHE_META_SALVAGE=1, every closed file is either persisted or
-    kept in lost+found (nothing dropped silently)."""
+def test_torn_wal_tail_starts_and_reports(make_node):
+    """A WAL whose last record is torn (a write that never completed, as a host crash
+    leaves it): the node starts; every closed file is persisted, unacknowledged or in
+    lost+found (reported), nothing dropped silently."""
     n = make_node(flush_delay=3600)
     data = {f"f{i}": os.urandom(1000 * (i + 1)) for i in range(3)}
     for name, b in data.items():
@@ -74,6 +88,27 @@ def test_damaged_wal_refuses_to_start_then_salvage_reports(make_node):
     n.kill9()
     wal = _wal(n)[-1]
     os.truncate(wal, wal.stat().st_size - 5)     # inside the last record: a torn tail
+    n.restart()
+    _all_kept_or_reported(n, data)
+
+
+@pytest.mark.e2e
+def test_damaged_wal_refuses_to_start_then_salvage_reports(make_node):
+    """A WAL damaged before its end (a checksum mismatch in a middle record): the node
+    refuses to start with one line naming the damage and the way out; started with
+    ACACHE_META_SALVAGE=1, every closed file is persisted, unacknowledged or in lost+found."""
+    n = make_node(flush_delay=3600)
+    data = {f"f{i}": os.urandom(1000 * (i + 1)) for i in range(3)}
+    for name, b in data.items():
+        (n.mnt / name).write_bytes(b)
+    n.kill9()
+    wal = _wal(n)[-1]
+    size = wal.stat().st_size
+    with open(wal, "r+b") as f:                  # flip one byte a third of the way in
+        f.seek(size // 3)
+        b = f.read(1)
+        f.seek(size // 3)
+        f.write(bytes([b[0] ^ 0xFF]))
     p = n.cli("up", check=False)
     assert p.returncode != 0
     line = p.stderr.strip().splitlines()[-1]
@@ -82,14 +117,7 @@ def test_damaged_wal_refuses_to_start_then_salvage_reports(make_node):
     n.env["ACACHE_META_SALVAGE"] = "1"
     n.restart()
     del n.env["ACACHE_META_SALVAGE"]
-    n.flush(timeout=60)
-    # a close the damaged log lost leaves the file as if open at the crash: shown
-    # 'unacknowledged' on the mount (README), not published
-    unacked = {f["path"] for f in n.status(str(n.mnt))["files"] if f["state"] == "unacknowledged"}
-    kept = set(n.ufs_files().values()) | set(_lost_found(n).values()) \
-        | {(n.mnt / p).read_bytes() for p in unacked}
-    for name, b in data.items():
-        assert b in kept, f"{name}: neither persisted, in lost+found nor shown unacknowledged"
+    _all_kept_or_reported(n, data)
 
 
 @pytest.mark.e2e
