@@ -69,11 +69,22 @@ class Ops(pyfuse3.Operations):
             level = (logging.DEBUG if e.errno == errno.EFBIG else logging.WARNING
                      if e.errno in _DISK_ERRORS else logging.ERROR)
             log.log(level, "%s (%s): %s", getattr(fn, "__name__", fn), args[0] if args else "", e)
+            await self._after_failure(e)
             raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        except Exception:
+        except Exception as e:
             log.exception("unexpected error in %s (%s)", getattr(fn, "__name__", fn),
                           args[0] if args else "")
+            await self._after_failure(e)
             raise pyfuse3.FUSEError(errno.EIO) from None
+
+    async def _after_failure(self, e: BaseException) -> None:
+        """Undo what a failed operation changed in memory without committing it."""
+        undo = getattr(self.vfs, "after_failure", None)
+        if undo is not None:
+            try:
+                await trio.to_thread.run_sync(undo, e, limiter=self.limiter)
+            except Exception:
+                log.exception("undoing what a failed %s changed", type(e).__name__)
 
     async def lookup(self, parent_inode, name, ctx=None):
         return _entry(await self._call(self.vfs.lookup, parent_inode, name, _ctx(ctx)))

@@ -47,6 +47,11 @@ class VFS(FileOps):
         meta.on_freed = self.gc_gen
         cache.evict_hook = self._evict
 
+    def after_failure(self, err: BaseException) -> bool:
+        """The mount engines' error edge: an operation failed unexpectedly (the cache disk,
+        a bug); undo what it changed in memory without committing (MetaStore.after_failure)."""
+        return self.meta.after_failure(err)
+
     # -- helpers ------------------------------------------------------------------------
     def _node(self, ino: int) -> Inode:
         node = self.meta.get(ino)

@@ -172,6 +172,8 @@ class Txn:
 
     def __init__(self, store: "MetaStore") -> None:
         self.store = store
+        self._open = True
+        store._begun += 1                        # see MetaStore.after_failure
         self.puts: dict[bytes, bytes] = {}
         self.deletes: list[bytes] = []
         self.dirty_inodes: dict[int, Inode] = {}
@@ -245,6 +247,9 @@ class Txn:
         self.deletes.append(key)
 
     def commit(self, sync: bool = False) -> None:
+        if self._open:
+            self._open = False
+            self.store._ended += 1
         for ino in self.dirty_inodes.values():
             if ino.ino in self.store._inodes:
                 self.puts[K.inode_key(ino.ino)] = ino.pack()
@@ -282,6 +287,7 @@ class MetaStore:
         self._moves_of: dict[int, set[int]] = {}  # pending RENAMEs moving it (or a dir above)
         self.on_freed = lambda ino, gen: None      # a cache file the journal let go of
         self.stale = False                          # memory may be ahead of the KV (undo failed)
+        self._begun = self._ended = 0               # Txns made / committed (after_failure)
         raw = kv.get(K.counter_key("next_ino"))
         self._next_ino = K.from_u64(raw) if raw else ROOT_INO
         raw = kv.get(K.counter_key("next_seq"))
@@ -414,6 +420,29 @@ class MetaStore:
             raise MetaError(f"metadata sync failed: {e}") from None
 
     # -- a failed write ------------------------------------------------------------
+    def after_failure(self, err: BaseException) -> bool:
+        """An operation ended with an unexpected error (an OSError of the cache disk, a
+        bug): if it made a Txn and never committed it, it may have changed memory that
+        the KV does not have -- bring memory back to the KV's state.  Called at the mount
+        engines' error edge, without the lock held by the failed operation (every Txn is
+        made and committed under the lock, so under it an uncommitted one is abandoned).
+        Returns whether memory was restored."""
+        with self.lock:
+            if self._begun == self._ended:
+                return False
+            self._ended = self._begun
+            try:
+                self.restore()
+            except Exception as e2:
+                self.stale = True
+                log.error("an operation failed before its metadata commit (%s) and the store "
+                          "cannot be read back (%s): every change fails (EIO) until it can",
+                          err, e2)
+                return False
+            log.error("an operation failed before its metadata commit (%s): its changes in "
+                      "memory are undone", err)
+            return True
+
     def undo(self, err: BaseException, dropped=()) -> None:
         """A batch failed (called under the lock): bring memory back to the KV's state;
         ``dropped``: objects the failed Txn took out of memory, reused if the KV has them."""

@@ -127,3 +127,30 @@ def test_unreadable_store_refuses_changes_until_it_reads_again(rig):
     assert not meta.stale and memory(meta) == stored(kv)
     v.mkdir(d, b"w", 0o755, CTX)
     assert sorted(meta.children(d)) == [b"w"]
+
+
+def test_an_operation_failing_before_its_commit_is_undone_in_memory(rig, monkeypatch):
+    """A cache-disk error in the middle of an operation (the copy of a pending generation
+    when the disk is full) leaves memory changed that no batch carried; the engines' error
+    edge (VFS.after_failure) brings memory back to the KV's state."""
+    v, meta, kv = rig.vfs, rig.meta, rig.kv
+    a = rig.write(ROOT_INO, b"a", b"A" * 1000)
+    rig.write(ROOT_INO, b"b", b"B" * 10)         # a's PUT is no longer the newest entry
+    gen = meta.get(a).gen
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(rig.cache, "clone", full)
+    with pytest.raises(OSError) as err:
+        v.open(a, os.O_WRONLY)                   # a new generation: a copy of the pending one
+    assert meta.get(a).gen != gen and memory(meta) != stored(kv)   # changed, never committed
+    assert v.after_failure(err.value) is True
+    assert meta.get(a).gen == gen
+    assert memory(meta) == stored(kv)
+    assert v.after_failure(err.value) is False   # nothing left to undo
+    monkeypatch.undo()
+    fh = v.open(a, os.O_WRONLY)                  # and the file works as before
+    v.write(fh, 0, b"C" * 1000)
+    v.flush(fh)
+    v.release(fh)
+    assert memory(meta) == stored(kv)

@@ -123,6 +123,14 @@ class Session:
         self._counts: list[list[int]] = []
         self._notices: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._notifier: threading.Thread | None = None
+        # told of a handler's unexpected failure (the VFS undoes a half-made metadata change)
+        self.on_failure: Callable[[BaseException], object] = lambda e: None
+
+    def _failed(self, e: BaseException) -> None:
+        try:
+            self.on_failure(e)
+        except Exception:
+            log.exception("undoing what a failed request changed")
 
     # --- handshake -------------------------------------------------------------------------
 
@@ -258,15 +266,18 @@ class Session:
                     log.log(logging.DEBUG if e.errno == errno.EFBIG else logging.WARNING,
                             "FUSE %s (node %d): %s", proto.OPCODE_NAMES.get(op, op),
                             req.nodeid, e)
+                    self._failed(e)
                     self._send(req, -e.errno, ())
                     return
                 log.exception("FUSE %s (node %d) failed", proto.OPCODE_NAMES.get(op, op),
                               req.nodeid)
+                self._failed(e)
                 self._send(req, -errno.EIO, ())
                 return
-            except Exception:
+            except Exception as e:
                 log.exception("FUSE %s (node %d) failed", proto.OPCODE_NAMES.get(op, op),
                               req.nodeid)
+                self._failed(e)
                 self._send(req, -errno.EIO, ())
                 return
             if res is NO_REPLY:
