@@ -162,7 +162,7 @@ import pytest  # noqa: E402
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from tests.acache_node import AcacheNode, fuse_mounts  # noqa: E402
+from tests.acache_node import AcacheNode, fuse_mounts, wait_gone_after_sigkill  # noqa: E402
 
 
 # -- the expected state ------------------------------------------------------------------------
@@ -447,14 +447,7 @@ class CrashRig:
     def kill(self) -> None:
         """SIGKILL the daemon (it must be running), then wait until it is gone."""
         os.kill(self.daemon_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                os.kill(self.daemon_pid, 0)
-            except ProcessLookupError:
-                return
-            assert time.monotonic() < deadline, f"daemon {self.daemon_pid} alive 10 s after SIGKILL"
-            time.sleep(0.01)
+        wait_gone_after_sigkill(self.daemon_pid, self.node.mnt)
 
     def _plan(self, step: int, layout: str, **kw) -> dict:
         plan = make_plan(self.seed, step, layout)

@@ -232,6 +232,7 @@ def _errno_of(fn) -> int:
 
 
 def test_overlong_names_are_enametoolong_everywhere(mnode, mdir):
+    back = os.getcwd()      # restored after: later tests run programs relative to it
     os.chdir(mdir)
     try:
         (mdir / "file").write_bytes(b"x")
@@ -270,7 +271,7 @@ def test_overlong_names_are_enametoolong_everywhere(mnode, mdir):
         os.unlink(ok)
         assert sorted(os.listdir(".")) == ["dir", "file"]
     finally:
-        os.chdir("/")
+        os.chdir(back)
 
 
 def test_fifos_sockets_devices_and_hard_links_are_eperm(mnode, mdir):
@@ -279,11 +280,12 @@ def test_fifos_sockets_devices_and_hard_links_are_eperm(mnode, mdir):
 
     def bind_socket():          # relative: a socket path holds at most 107 bytes
         s = socket.socket(socket.AF_UNIX)
+        back = os.getcwd()
         os.chdir(mdir)
         try:
             s.bind("sock")
         finally:
-            os.chdir("/")
+            os.chdir(back)
             s.close()
     calls = {
         "mkfifo": lambda: os.mkfifo(mdir / "fifo"),

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 import time
 
 import pytest
@@ -19,6 +20,9 @@ from tests.e2e.contract_util import pattern
 
 RUN = 20          # seconds of load
 BOUND = 30.0      # no single call may take this long
+
+
+REPO = str(Path(__file__).resolve().parents[2])   # -m tests.uring, whatever the cwd
 
 
 def test_calls_complete_while_io_uring_io_is_in_flight(make_variant_node):
@@ -31,7 +35,7 @@ def test_calls_complete_while_io_uring_io_is_in_flight(make_variant_node):
                             "--rw=randrw", "--bs=4k", "--size=64m", "--direct=0",
                             f"--filename={f}", "--time_based", f"--runtime={RUN}"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wd = subprocess.Popen([sys.executable, "-m", "tests.uring", str(f), str(RUN), "16"],
+    wd = subprocess.Popen([sys.executable, "-m", "tests.uring", str(f), str(RUN), "16"], cwd=REPO,
                           stdout=subprocess.PIPE, text=True)
     try:
         out, _ = wd.communicate(timeout=RUN + BOUND)
