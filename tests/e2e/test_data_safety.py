@@ -76,16 +76,22 @@ def _all_kept_or_reported(n, data: dict) -> None:
     assert st["lost_found_files"] == len(_lost_found(n)), st   # reported, not only kept
 
 
-@pytest.mark.e2e
-def test_torn_wal_tail_starts_and_reports(make_node):
-    """A WAL whose last record is torn (a write that never completed, as a host crash
-    leaves it): the node starts; every closed file is persisted, unacknowledged or in
-    lost+found (reported), nothing dropped silently."""
+def _closed_files_then_kill9(make_node):
+    """A node (nothing persists on its own), three closed files, then kill -9."""
     n = make_node(flush_delay=3600)
     data = {f"f{i}": os.urandom(1000 * (i + 1)) for i in range(3)}
     for name, b in data.items():
         (n.mnt / name).write_bytes(b)
     n.kill9()
+    return n, data
+
+
+@pytest.mark.e2e
+def test_torn_wal_tail_starts_and_reports(make_node):
+    """A WAL whose last record is torn (a write that never completed, as a host crash
+    leaves it): the node starts; every closed file is persisted, unacknowledged or in
+    lost+found (reported), nothing dropped silently."""
+    n, data = _closed_files_then_kill9(make_node)
     wal = _wal(n)[-1]
     os.truncate(wal, wal.stat().st_size - 5)     # inside the last record: a torn tail
     n.restart()
@@ -97,11 +103,7 @@ def test_damaged_wal_refuses_to_start_then_salvage_reports(make_node):
     """A WAL damaged before its end (a checksum mismatch in a middle record): the node
     refuses to start with one line naming the damage and the way out; started with
     ACACHE_META_SALVAGE=1, every closed file is persisted, unacknowledged or in lost+found."""
-    n = make_node(flush_delay=3600)
-    data = {f"f{i}": os.urandom(1000 * (i + 1)) for i in range(3)}
-    for name, b in data.items():
-        (n.mnt / name).write_bytes(b)
-    n.kill9()
+    n, data = _closed_files_then_kill9(make_node)
     wal = _wal(n)[-1]
     size = wal.stat().st_size
     with open(wal, "r+b") as f:                  # flip one byte a third of the way in
