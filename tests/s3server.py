@@ -325,6 +325,22 @@ class S3Server:
                      secret_key=self.secret_key, secure=self.tls, region=self.region,
                      cert_check=not self.tls)
 
+    def objects(self, prefix: str, markers: bool = False) -> dict[str, bytes]:
+        """Every object under prefix/: key relative to it -> bytes; directory markers
+        (keys ending in '/', as b'') only with ``markers``."""
+        c = self.client()
+        out = {}
+        for o in c.list_objects(self.bucket, prefix=prefix + "/", recursive=True):
+            if o.object_name.endswith("/") and not markers:
+                continue
+            r = c.get_object(self.bucket, o.object_name)
+            try:
+                out[o.object_name[len(prefix) + 1:]] = r.read()
+            finally:
+                r.close()
+                r.release_conn()
+        return out
+
     # -- credentials (auth=True) ----------------------------------------------------
     @contextmanager
     def _admin(self):

@@ -46,16 +46,7 @@ def small_fs(tmp_path):
 
 def _bucket(srv: S3Server, prefix: str) -> dict[str, bytes]:
     """Every object under prefix/ (directory markers included, as b'')."""
-    c = srv.client()
-    out = {}
-    for o in c.list_objects(srv.bucket, prefix=prefix + "/", recursive=True):
-        r = c.get_object(srv.bucket, o.object_name)
-        try:
-            out[o.object_name[len(prefix) + 1:]] = r.read()
-        finally:
-            r.close()
-            r.release_conn()
-    return out
+    return srv.objects(prefix, markers=True)
 
 
 def _status(n: AcacheNode) -> dict:

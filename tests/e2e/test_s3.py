@@ -71,18 +71,7 @@ def s3_node(make, srv: S3Server, prefix: str, *, engine: str = ONE_ENGINE, start
 
 def bucket_files(srv: S3Server, prefix: str) -> dict[str, bytes]:
     """Every object under prefix/ (markers excluded): relative key -> bytes."""
-    c = srv.client()
-    out = {}
-    for o in c.list_objects(srv.bucket, prefix=prefix + "/", recursive=True):
-        if o.object_name.endswith("/"):
-            continue
-        r = c.get_object(srv.bucket, o.object_name)
-        try:
-            out[o.object_name[len(prefix) + 1:]] = r.read()
-        finally:
-            r.close()
-            r.release_conn()
-    return out
+    return srv.objects(prefix)
 
 
 def put(srv: S3Server, key: str, data: bytes) -> None:
