@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 
+pytest_plugins = ["tests.etcd_server"]     # etcd1 / etcd3 / etcd_name: real etcd members
+
 REQUIRE_ALL = os.environ.get("ACACHE_TEST_REQUIRE_ALL", "0") == "1"
 
 

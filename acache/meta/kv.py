@@ -23,11 +23,14 @@ class KV(Protocol):
 
 
 def open_kv(url: str) -> KV:
-    """``rocksdb:///path`` or ``mem://``."""
+    """``rocksdb:///path``, ``mem://`` or ``etcd://h1:2379,h2:2379/NAME`` (a cluster)."""
     if url.startswith("mem://"):
         from acache.meta.kv_mem import MemKV
         return MemKV()
     if url.startswith("rocksdb://"):
         from acache.meta.kv_rocks import RocksKV
         return RocksKV(url[len("rocksdb://"):])
+    if url.startswith("etcd://"):
+        from acache.meta.kv_etcd import EtcdKV
+        return EtcdKV.open(url)
     raise ValueError(f"unknown KV url {url!r}")

@@ -1,9 +1,10 @@
-"""One KV suite for every implementation (RocksDB and memory)."""
+"""One KV suite for every implementation (RocksDB, memory and etcd)."""
 import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,17 @@ from acache.meta.kv import open_kv
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(params=["rocksdb", "mem"])
+def _url(kind, request, tmp_path) -> str:
+    if kind == "rocksdb":
+        return f"rocksdb://{tmp_path / 'db'}"
+    if kind == "etcd":
+        return request.getfixturevalue("etcd1").url(request.getfixturevalue("etcd_name"))
+    return "mem://"
+
+
+@pytest.fixture(params=["rocksdb", "mem", "etcd"])
 def kv(request, tmp_path):
-    url = f"rocksdb://{tmp_path / 'db'}" if request.param == "rocksdb" else "mem://"
-    k = open_kv(url)
+    k = open_kv(_url(request.param, request, tmp_path))
     yield k
     k.close()
 
@@ -46,6 +54,42 @@ def test_binary_values_synced_or_not(kv):
     kv.write({b"\x00\xff": blob}, sync=True)
     kv.write({b"\xff\x00": blob[::-1]})
     assert kv.get(b"\x00\xff") == blob and kv.get(b"\xff\x00") == blob[::-1]
+
+
+def test_big_batch_over_128_ops_is_atomic(kv):
+    """A batch of 400 puts and 150 deletes (over etcd's 128 ops per txn) lands whole: a
+    scanner running meanwhile sees the batch before or after, never a mix."""
+    kv.write({b"B%04d" % i: b"old" for i in range(300)})
+    stop, seen, bad = threading.Event(), [], []
+
+    def scanner():
+        while not stop.is_set():
+            got = dict(kv.scan(b"B"))
+            state = (len(got), frozenset(got.values()))
+            seen.append(state)
+            if state not in {(300, frozenset({b"old"})), (400, frozenset({b"new"}))}:
+                bad.append(state)
+
+    t = threading.Thread(target=scanner)
+    t.start()
+    try:
+        kv.write({b"B%04d" % i: b"new" for i in range(150, 550)}, [b"B%04d" % i for i in range(150)])
+    finally:
+        stop.set()
+        t.join(60)
+    got = dict(kv.scan(b"B"))
+    assert sorted(got) == [b"B%04d" % i for i in range(150, 550)] and set(got.values()) == {b"new"}
+    assert not bad, f"a scan saw half a batch: {bad[:3]}"
+    assert seen, "the scanner never ran"
+
+
+def test_big_batch_over_1_5_mib_is_atomic(kv):
+    """A few values but 3 MiB in all (over etcd's 1.5 MiB per request), binary keys."""
+    vals = {b"M\x00" + bytes([i]) + b"\xff": os.urandom(300_000) for i in range(10)}
+    kv.write({b"M\x00\x05\xff": b"x", b"Mgone": b"y"})
+    kv.write(vals, [b"Mgone"])
+    assert dict(kv.scan(b"M")) == vals
+    assert kv.get(b"Mgone") is None
 
 
 # -- RocksDB durability: what sync promises, observed ---------------------------------------------
@@ -137,3 +181,102 @@ def test_rocksdb_second_opener_gets_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="metadata database"):
         open_kv(url)
     k.close()
+
+
+# -- etcd: big batches across a crash of the writer; the fence ------------------------------------
+_ETCD_CHILD = """
+import os, signal, sys
+from acache.meta.kv_etcd import EtcdKV
+kv = EtcdKV.open(sys.argv[1], compact=False)
+kv.write({b"P%04d" % i: b"before" for i in range(200)})
+def hook(stage, _kv=kv):
+    if stage == sys.argv[2]:
+        print("killed at", stage, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+kv._hook = hook
+kv.write({b"P%04d" % i: b"after" for i in range(100, 400)}, [b"P%04d" % i for i in range(100)])
+print("not killed", flush=True)
+"""
+
+
+def _raw(etcd1, name: str, under: str) -> list:
+    from acache.meta.etcd import EtcdClient
+    c = EtcdClient(etcd1.endpoints)
+    try:
+        return [kv.key for kv in c.range_prefix(f"/acache/{name}/{under}".encode())]
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("stage,applied", [("chunks-written", False), ("intent-committed", True),
+                                           ("applied-chunk", True), ("applied", True)])
+def test_etcd_big_batch_survives_kill9_of_the_writer(etcd1, etcd_name, stage, applied):
+    """The writer is killed -9 inside a 400-op batch: before its commit point (the intent) the
+    batch is not applied at all; after it, the next opener applies it -- exactly once: a write
+    after the recovery is not undone by a later opener, and no intent data is left."""
+    url = etcd1.url(etcd_name, compact=0)
+    child = subprocess.run([sys.executable, "-c", _ETCD_CHILD, url, stage], capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert child.returncode == -signal.SIGKILL, (child.returncode, child.stdout, child.stderr)
+    assert f"killed at {stage}" in child.stdout
+    assert _raw(etcd1, etcd_name, "kvmeta/intent-data/"), "the child left no chunk records"
+    k = open_kv(url)
+    try:
+        got = dict(k.scan(b"P"))
+        want = ({b"P%04d" % i: b"after" for i in range(100, 400)} if applied
+                else {b"P%04d" % i: b"before" for i in range(200)})
+        assert got == want
+        k.write({b"P0150": b"later"})
+    finally:
+        k.close()
+    assert _raw(etcd1, etcd_name, "kvmeta/intent") == [], "intent records left after recovery"
+    k = open_kv(url)
+    try:
+        assert k.get(b"P0150") == b"later", "the batch was applied a second time"
+        assert len(dict(k.scan(b"P"))) == len(want)
+    finally:
+        k.close()
+
+
+def test_etcd_reader_finishes_a_pending_intent(etcd1, etcd_name):
+    """A read between the intent's commit and its application answers the whole batch."""
+    from acache.meta.kv_etcd import EtcdKV
+    k = EtcdKV.open(etcd1.url(etcd_name), compact=False)
+    seen = {}
+
+    def hook(stage):
+        if stage == "intent-committed":
+            seen["mid"] = (k.get(b"R0000"), k.get(b"R0299"), len(dict(k.scan(b"R"))))
+    k._hook = hook
+    try:
+        k.write({b"R%04d" % i: b"v" for i in range(300)})
+        assert seen["mid"] == (b"v", b"v", 300)
+    finally:
+        k.close()
+
+
+def test_etcd_second_opener_fences_off_the_first(etcd1, etcd_name):
+    from acache.errors import MetaError
+    url = etcd1.url(etcd_name, compact=0)
+    a = open_kv(url)
+    a.write({b"k": b"a"})
+    b = open_kv(url)
+    try:
+        with pytest.raises(MetaError, match="fenced off"):
+            a.write({b"k": b"stale"})
+        b.write({b"k": b"b"})
+        assert b.get(b"k") == b"b"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_etcd_value_over_the_request_limit_is_refused_whole(etcd1, etcd_name):
+    from acache.errors import MetaError
+    k = open_kv(etcd1.url(etcd_name, compact=0))
+    try:
+        with pytest.raises(MetaError, match="limit"):
+            k.write({b"small": b"1", b"huge": b"x" * (2 << 20)})
+        assert k.get(b"small") is None
+    finally:
+        k.close()
