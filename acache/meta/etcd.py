@@ -99,7 +99,7 @@ class EtcdError(MetaError):
 class CompactedError(EtcdError):
     """The revision asked for (a watch's start, a pinned range) was compacted away."""
 
-    def __init__(self, msg: str, compact_revision: int):
+    def __init__(self, msg: str, compact_revision: int = 0):   # 0: not told
         super().__init__(msg, "OUT_OF_RANGE")
         self.compact_revision = compact_revision
 
@@ -394,7 +394,10 @@ class EtcdClient:
                 if ambiguous and ok_on_retry is not None and ok_on_retry(e):
                     return None, True
                 if not _retryable(e):
-                    raise EtcdError(f"etcd {what} at {ep.target}: {_describe(e)}", e.code().name)
+                    msg = f"etcd {what} at {ep.target}: {_describe(e)}"
+                    if e.code() == grpc.StatusCode.OUT_OF_RANGE and "compacted" in (e.details() or ""):
+                        raise CompactedError(msg, 0)
+                    raise EtcdError(msg, e.code().name)
                 last = f"{ep.target}: {_describe(e)}"
                 ambiguous = ambiguous or mutation
             failures += 1
@@ -434,18 +437,13 @@ class EtcdClient:
                 if e.code == "RESOURCE_EXHAUSTED" and page > 1:
                     page //= 2
                     continue
-                raise self._compacted(e, revision)
+                raise
             revision = revision or r.header.revision
             for m in r.kvs:
                 yield _kv(m)
             if not r.more or not r.kvs:
                 return
             start = r.kvs[-1].key + b"\x00"
-
-    def _compacted(self, e: EtcdError, revision: int) -> EtcdError:
-        if e.code == "OUT_OF_RANGE" and "compacted" in str(e):
-            return CompactedError(f"etcd: revision {revision} was compacted ({e})", 0)
-        return e
 
     def revision(self) -> int:
         """The cluster's current revision, read linearizably (a barrier: every write
