@@ -5,6 +5,8 @@ under-stores, FUSE replies in the engines, exit codes in the CLI).
     ├── ConfigError                EINVAL  no     bad config file / flag / URL
     ├── FsError                    (given) no     a POSIX error for the mount (ENOENT, EEXIST...)
     │   └── MetaError              EIO     no     a metadata write failed: the operation is undone
+    │       └── EtcdError          EIO     no     etcd refused a request (acache.meta.etcd)
+    │           └── CompactedError EIO     no     a watch/read from a compacted revision
     ├── UnderStoreError            EIO     (given) the under-storage failed
     │   ├── TransientError         EIO     yes    5xx, SlowDown, timeouts, connection refused
     │   └── PermanentError         EIO     no     AccessDenied, NoSuchBucket, bad credentials, EACCES
