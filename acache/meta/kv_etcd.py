@@ -47,7 +47,7 @@ from typing import Iterator
 import msgpack
 
 from acache.errors import MetaError
-from acache.meta.etcd import (Compare, Delete, EtcdClient, KeyValue, Op, Put, Range,
+from acache.meta.etcd import (Compare, Delete, EtcdClient, EtcdError, KeyValue, Op, Put, Range,
                               parse_url, prefix_end)
 
 TXN_OPS = 120                   # < etcd's 128 (--max-txn-ops), room for the fence and guards
@@ -179,8 +179,14 @@ class EtcdKV:
         """Pairs under ``prefix`` in key order, paginated, all pages at one revision."""
         start, end, n = self.ns + prefix, prefix_end(self.ns + prefix), len(self.ns)
         page = 500
-        for _ in range(10):
-            res = self.client.txn([], [Range(start, end, limit=page), Range(self._intent)])
+        for _ in range(20):
+            try:
+                res = self.client.txn([], [Range(start, end, limit=page), Range(self._intent)])
+            except EtcdError as e:      # over the gRPC message limit (big values): smaller pages
+                if e.code == "RESOURCE_EXHAUSTED" and page > 1:
+                    page //= 2
+                    continue
+                raise
             rows, intent = res.responses
             if intent:
                 self._apply_intent(intent[0])
