@@ -290,10 +290,22 @@ class Persister:
             if job.aborted:
                 raise _Aborted()
 
+        def on_token(token: str) -> None:
+            """The stage knows exactly what it leaves behind (S3: its upload id): recorded
+            in the entry before any byte is sent, so only that is ever cleaned up."""
+            with self.lock:
+                txn = self.meta.txn()
+                if self.meta.entry(e.seq) is e and not job.aborted:
+                    e.token = token
+                    txn.update_entry(e)
+                else:        # cancelled meanwhile: its old token is recorded as orphaned
+                    txn.orphan_stage(token)
+                txn.commit()
+
         staged, error = None, None
         try:
             staged = self.under.stage(e.path, e.token, self.cache.path(e.ino, e.gen), e.size,
-                                      progress, attrs=Attrs.unpack(e.attrs))
+                                      progress, attrs=Attrs.unpack(e.attrs), on_token=on_token)
         except _Aborted:
             pass
         except BaseException as exc:   # handed to the scheduler thread
@@ -430,10 +442,19 @@ class Persister:
                     txn = self.meta.txn()
                     txn.orphan_stage(token)   # cleaned at restart if we die mid-way
                     txn.commit()
-                self.under.stage(dst, token, self.cache.path(ino, gen), size).commit()
+
+                def on_token(new: str, old: str = token) -> None:
+                    with self.lock:
+                        txn = self.meta.txn()
+                        txn.orphan_stage(new)
+                        txn.forget_stage(old)
+                        txn.commit()
+                staged = self.under.stage(dst, token, self.cache.path(ino, gen), size,
+                                          on_token=on_token)
+                staged.commit()
                 with self.lock:
                     txn = self.meta.txn()
-                    txn.forget_stage(token)
+                    txn.forget_stage(staged.token)
                     txn.commit()
         finally:
             for _, ino, gen, _ in files:

@@ -768,3 +768,58 @@ def test_close_ends_worker_threads(backend):
     backend.put(store, "f", os.urandom(6 * MiB))
     store.close()
     assert len(ours()) == before
+
+
+def test_s3_recorded_upload_id_cleans_exactly_that_upload(s3backend):
+    """A stage hands the upload id to on_token before any part: cleanup of that token
+    aborts that upload only -- never another node's live upload on the same key, which a
+    shared prefix (a cluster: exclusive = False) has, nor a second stage of this node."""
+    foreign = s3backend.open(part_size=5 * MiB)      # another node on the same prefix
+    src = s3backend.src(os.urandom(6 * MiB))
+    theirs = foreign.stage("ck/shard", foreign.new_token("ck/shard"), src, 6 * MiB)
+    crashed = s3backend.open(part_size=5 * MiB)
+    seen: list[str] = []
+    t0 = crashed.new_token("ck/shard")
+    mine = crashed.stage("ck/shard", t0, src, 6 * MiB, on_token=seen.append)
+    assert len(seen) == 1 and seen[0] != t0 and mine.token == seen[0]
+    assert mine.upload_id in seen[0] and seen[0].endswith("\nck/shard")
+    del crashed                                      # crash: only the recorded token is left
+    restarted = s3backend.open(part_size=5 * MiB)
+    restarted.exclusive = False
+    restarted.cleanup(t0)          # the token before the id was known: not told apart, kept
+    assert sorted(u for _, u in s3backend.leftovers()) == sorted([theirs.upload_id, mine.upload_id])
+    restarted.cleanup(seen[0])
+    restarted.cleanup(seen[0])                       # idempotent (NoSuchUpload)
+    assert [u for _, u in s3backend.leftovers()] == [theirs.upload_id]
+    theirs.commit()
+    assert restarted.stat("ck/shard").size == 6 * MiB
+    assert s3backend.leftovers() == []
+
+
+def test_s3_unrecorded_token_on_exclusive_prefix_lists_the_key(s3backend):
+    """One host (exclusive, the default): a token whose id was never recorded (a crash
+    between CreateMultipartUpload and the record) is still cleaned by listing its key."""
+    crashed = s3backend.open(part_size=5 * MiB)
+    src = s3backend.src(os.urandom(6 * MiB))
+    t0 = crashed.new_token("f")
+    crashed.stage("f", t0, src, 6 * MiB)
+    del crashed
+    store = s3backend.open(part_size=5 * MiB)
+    assert store.exclusive
+    store.cleanup(t0)
+    assert s3backend.leftovers() == []
+
+
+def test_s3_failing_token_record_undoes_the_stage(s3backend):
+    """If the id cannot be recorded (the metadata write failed), the stage fails and
+    leaves no upload behind."""
+    store = s3backend.open(part_size=5 * MiB)
+    src = s3backend.src(os.urandom(6 * MiB))
+
+    from acache.errors import MetaError
+
+    def refuse(token: str) -> None:
+        raise MetaError("metadata write failed")
+    with pytest.raises(MetaError, match="metadata write failed"):
+        store.stage("g", store.new_token("g"), src, 6 * MiB, on_token=refuse)
+    assert s3backend.leftovers() == []

@@ -198,10 +198,15 @@ def test_kill9_during_multipart_upload(srv, prefix, nodes):
         srv.throttle = None
     assert srv.open_uploads(prefix=prefix + "/"), "the upload finished before the kill"
     assert "big.bin" not in bucket_files(srv, prefix)
+    # another writer's upload on the same key (another node of a cluster, another tool):
+    # recovery aborts the killed stage's own upload, whose id its entry recorded, not this
+    key = f"{prefix}/big.bin"
+    theirs = srv.client()._create_multipart_upload(srv.bucket, key, {})
     n.restart()
     n.flush()
     assert bucket_files(srv, prefix) == want
-    assert srv.open_uploads(prefix=prefix + "/") == []
+    assert srv.open_uploads(prefix=prefix + "/") == [(key, theirs)]
+    srv.client()._abort_multipart_upload(srv.bucket, key, theirs)
 
 
 # -- an S3 outage in the middle of persisting --------------------------------------------------

@@ -15,7 +15,12 @@ temp name + fsync of the directory; S3: PutObject or
 CompleteMultipartUpload); ``abort()`` throws them away.  ``Staged.token`` is
 a short string the persister records durably *before* staging starts
 (``new_token``) so that after a crash ``cleanup(token)`` removes what a
-half-done stage left behind (temp files, open multipart uploads).
+half-done stage left behind (temp files, open multipart uploads).  A stage
+that learns more of what it leaves behind (S3: the id CreateMultipartUpload
+gave) hands a new token to ``on_token`` before it uploads anything, and the
+persister records it in place of the old one: cleanup then removes exactly
+that stage's leftovers and nothing of anyone else's (another node's live
+upload on the same key, in a cluster).
 
 Attributes (``Attrs``: permission bits, owner, mtime in ns) travel with every
 object that creates something (stage, symlink, mkdir) and alone with
@@ -115,9 +120,12 @@ class UnderStore(Protocol):
 
     def stage(self, path: str, token: str, src_path: str, size: int,
               progress: Callable[[int], None] | None = None,
-              attrs: Attrs | None = None) -> Staged:
+              attrs: Attrs | None = None,
+              on_token: Callable[[str], None] | None = None) -> Staged:
         """Upload ``size`` bytes of the local file ``src_path``, not yet visible;
-        ``attrs`` land with it at commit."""
+        ``attrs`` land with it at commit.  ``on_token(new)``: record ``new`` in place of
+        ``token`` (durably, before returning; raising stops the stage and undoes it);
+        the Staged's token is the last one given."""
 
     def symlink(self, path: str, target: str, attrs: Attrs | None = None) -> None:
         """Make ``path`` a symbolic link to ``target`` (replacing a file or link there)."""

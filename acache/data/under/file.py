@@ -430,7 +430,8 @@ class FileStore:
 
     def stage(self, path: str, token: str, src_path: str, size: int,
               progress: Callable[[int], None] | None = None,
-              attrs: Attrs | None = None) -> "FileStaged":
+              attrs: Attrs | None = None,
+              on_token: Callable[[str], None] | None = None) -> "FileStaged":
         clean_path(path)
         if not path:
             raise PermanentError("cannot stage onto the root directory")

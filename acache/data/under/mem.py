@@ -205,7 +205,8 @@ class MemStore:
 
     def stage(self, path: str, token: str, src_path: str, size: int,
               progress: Callable[[int], None] | None = None,
-              attrs: Attrs | None = None) -> "MemStaged":
+              attrs: Attrs | None = None,
+              on_token: Callable[[str], None] | None = None) -> "MemStaged":
         clean_path(path)
         if not path:
             raise PermanentError("cannot stage onto the root directory")

@@ -341,7 +341,14 @@ class S3Store:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._inflight: dict[str, tuple[str, str | None]] = {}
-        self._unclean: set[str] = set()   # keys whose cleanup failed: retried before a stage
+        # (key, upload id or None) whose cleanup failed: retried before the next stage
+        self._unclean: set[tuple[str, str | None]] = set()
+        # Only this node writes under the prefix (one host: the embedded metadata).  Then
+        # a token with no upload id (a crash between CreateMultipartUpload and recording its
+        # id) is cleaned by listing the uploads on its key.  A cluster shares the prefix and
+        # sets this False: another node's live upload may be on the same key, so only
+        # recorded ids are aborted (an unrecorded one is left to a lifecycle rule).
+        self.exclusive = True
 
     # -- helpers -------------------------------------------------------------
     def _key(self, path: str) -> str:
@@ -462,15 +469,24 @@ class S3Store:
         clean_path(path)
         return f"{uuid.uuid4().hex}\n{path}"
 
-    def _token_path(self, token: str) -> str:
-        tid, sep, path = token.partition("\n")
+    @staticmethod
+    def _token_parts(token: str) -> tuple[str, str | None]:
+        """(path, upload id or None) of a token ``<uuid>[ <upload id>]\n<path>``: the id is
+        added (``on_token``) once CreateMultipartUpload gave it, so cleanup aborts exactly
+        that upload (S3 upload ids hold no space or newline)."""
+        head, sep, path = token.partition("\n")
+        tid, _, upload_id = head.partition(" ")
         if not sep or not tid:
             raise PermanentError(f"not an s3:// stage token: {token!r}")
-        return clean_path(path, "token path")
+        return clean_path(path, "token path"), upload_id or None
+
+    def _token_path(self, token: str) -> str:
+        return self._token_parts(token)[0]
 
     def stage(self, path: str, token: str, src_path: str, size: int,
               progress: Callable[[int], None] | None = None,
-              attrs: Attrs | None = None) -> "S3Staged":
+              attrs: Attrs | None = None,
+              on_token: Callable[[str], None] | None = None) -> "S3Staged":
         key = self._key(path)
         if not path:
             raise PermanentError("cannot stage onto the root directory")
@@ -490,7 +506,7 @@ class S3Store:
             return staged
         with self._errors("stage", key):
             return self._stage_multipart(token, key, src_path, size, progress,
-                                         attrs_headers(attrs, _stat.S_IFREG))
+                                         attrs_headers(attrs, _stat.S_IFREG), on_token)
 
     def _part_size_for(self, size: int) -> int:
         ps = self.part_size
@@ -499,7 +515,8 @@ class S3Store:
             ps = -(-ps // MiB) * MiB
         return ps
 
-    def _stage_multipart(self, token, key, src_path, size, progress, meta) -> "S3Staged":
+    def _stage_multipart(self, token, key, src_path, size, progress, meta,
+                         on_token=None) -> "S3Staged":
         ps = self._part_size_for(size)
         ranges = [(i + 1, off, min(ps, size - off)) for i, off in enumerate(range(0, size, ps))]
         try:
@@ -511,6 +528,13 @@ class S3Store:
         try:
             upload_id = self.wire.create_upload(key, meta)
             self._track(token, key, upload_id)
+            if on_token is not None:    # recorded before any part: cleanup finds exactly it
+                head, _, path = token.partition("\n")
+                new = f"{head.partition(' ')[0]} {upload_id}\n{path}"
+                self._track(new, key, upload_id)
+                self._untrack(token)
+                token = new
+                on_token(new)
 
             def one(r):
                 return self._upload_part(key, upload_id, fd, *r)
@@ -563,21 +587,31 @@ class S3Store:
             self._inflight.pop(token, None)
 
     def cleanup(self, token: str) -> None:
-        """Abort this token's multipart upload, and any other upload in progress on
-        its key that no live stage of this instance owns (a crashed stage's).
-        If that fails (S3 unreachable), the key is cleaned before the next stage."""
-        key = self._key(self._token_path(token))
+        """Abort this token's multipart upload: the one its token records (``on_token``)
+        or this instance is running for it.  A token with no upload id: when the prefix
+        is ours alone (``exclusive``), every upload on its key that no live stage of this
+        instance owns (a crashed stage's); otherwise nothing (it cannot be told from
+        another node's).  If that fails (S3 unreachable), it is retried before the next
+        stage."""
+        path, recorded = self._token_parts(token)
+        key = self._key(path)
         with self._lock:
-            own = self._inflight.pop(token, (key, None))[1]
+            own = self._inflight.pop(token, (key, None))[1] or recorded
         try:
             with self._errors("cleanup", key):
-                if own is not None:
-                    self.wire.abort(key, own)
-                self._abort_stale(key)
+                self._clean(key, own)
         except UnderStoreError:
             with self._lock:
-                self._unclean.add(key)
+                self._unclean.add((key, own))
             raise
+
+    def _clean(self, key: str, upload_id: str | None) -> bool:
+        """Abort ``upload_id`` on ``key`` (if any), then, without one and on an exclusive
+        prefix, the uploads on the key no live stage owns; False if that could not tell."""
+        if upload_id is not None:
+            self.wire.abort(key, upload_id)
+            return True
+        return self._abort_stale(key) if self.exclusive else True
 
     def _abort_stale(self, key: str) -> bool:
         """Abort the uploads on ``key`` that no live stage owns; False if it cannot tell."""
@@ -598,13 +632,13 @@ class S3Store:
     def _retry_cleanups(self) -> None:
         """Clean the keys whose cleanup failed earlier (raises while that fails)."""
         with self._lock:
-            keys = list(self._unclean)
-        for key in keys:
+            pending = list(self._unclean)
+        for key, upload_id in pending:
             with self._errors("cleanup", key):
-                done = self._abort_stale(key)
+                done = self._clean(key, upload_id)
             if done:
                 with self._lock:
-                    self._unclean.discard(key)
+                    self._unclean.discard((key, upload_id))
 
     def rename(self, src: str, dst: str) -> None:
         sk, dk = self._key(src), self._key(dst)
