@@ -1,0 +1,653 @@
+"""The TCP transport: frames (acache.net.wire) over TCP, the handshake of acache.net.auth.
+
+Server (``TcpListener``).  One accept thread; one reader thread per connection; handlers run
+on a shared pool of ``workers`` threads and answer out of order, by request id.  Bounded:
+  * at most ``max_pending`` connections in the handshake (the oldest is closed to make room),
+    each with ``handshake_timeout`` to finish it; at most ``max_conns`` past it (more are
+    refused with EBUSY, which the client sees as PeerUnavailable);
+  * a connection with no request for ``idle_timeout`` is closed; a frame, once its first byte
+    arrived, must arrive whole within ``frame_timeout`` (slowloris);
+  * limits from the header before anything else is read; at most ``max_inflight`` requests
+    per connection run at once (then the reader stops reading: TCP pushes back); request
+    payloads held in memory are capped server-wide by ``payload_budget``;
+  * garbage (bad magic/version/flags, oversize, bad msgpack, unknown op) drops that
+    connection with one log line; everyone else is served on.
+A reply payload may be a FileRegion: header and meta go out with sendmsg, the bytes with
+sendfile.
+
+Client (``TcpConn``, one per peer, shared by threads).  A pool of up to ``streams`` TCP
+connections, opened as requests overlap (a new one when every open one is busy); each is
+multiplexed: a reader thread matches replies to waiters by request id and receives a
+read_into payload straight into the caller's buffer.  A stream on which nothing arrived for
+``timeout`` s while a request waits is declared dead (PeerUnavailable; so a request fails at
+most ~2x ``timeout`` after the peer went silent); its waiters fail, the next request opens a
+new stream.  No request is retried here: callers decide (reads are idempotent, other ops may
+not be).
+
+Lock order: TcpConn._lock before _Stream._lock; _Stream._send_lock is taken alone.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from acache.errors import AcacheError
+from acache.net import auth, wire
+from acache.net.transport import (AuthError, FileRegion, FrameError, Handler, PeerUnavailable,
+                                  ProtocolError, RemoteError, Reply, TransportError)
+
+log = logging.getLogger("acache.net")
+
+_TIMEOUTS = (socket.timeout, TimeoutError)
+
+
+def _tune(sock: socket.socket, bufsize: int, timeout: float) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if bufsize:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            if sock.getsockopt(socket.SOL_SOCKET, opt) < bufsize:
+                sock.setsockopt(socket.SOL_SOCKET, opt, bufsize)   # capped by net.core.*mem_max
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):     # unacknowledged data fails the socket after this
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(timeout * 1000)))
+
+
+def _why(e: BaseException) -> str:
+    err = getattr(e, "errno", None)
+    return os.strerror(err) if isinstance(err, int) and err > 0 else (str(e) or type(e).__name__)
+
+
+def _errno_of(e: BaseException) -> int:
+    err = getattr(e, "errno", None)
+    return err if isinstance(err, int) and err > 0 else errno.EIO
+
+
+class TcpTransport:
+    """Settings of both sides; ``listen`` and ``connect`` make the objects that do the work."""
+    name = "tcp"
+
+    def __init__(self, secret: bytes | None = None, *, timeout: float = 10.0,
+                 connect_timeout: float = 5.0, streams: int = 4, max_conns: int = 256,
+                 max_pending: int = 64, idle_timeout: float = 300.0, handshake_timeout: float = 5.0,
+                 frame_timeout: float | None = None, limits: wire.Limits = wire.Limits(),
+                 reply_limit: int = 1 << 30, workers: int = 16, max_inflight: int = 32,
+                 payload_budget: int = 512 << 20, sock_buf: int = 4 << 20,
+                 caps: dict | None = None) -> None:
+        if payload_budget < limits.max_payload:
+            raise ValueError("payload_budget must hold at least one max_payload request")
+        self.secret = secret
+        self.timeout, self.connect_timeout = timeout, connect_timeout
+        self.streams = max(1, streams)
+        self.max_conns, self.max_pending = max_conns, max_pending
+        self.idle_timeout, self.handshake_timeout = idle_timeout, handshake_timeout
+        self.frame_timeout = timeout if frame_timeout is None else frame_timeout
+        self.limits, self.reply_limit = limits, reply_limit
+        self.workers, self.max_inflight = workers, max_inflight
+        self.payload_budget, self.sock_buf = payload_budget, sock_buf
+        self.capabilities = {"version": wire.VERSION, "transport": "tcp", "sendfile": True,
+                             "max_payload": limits.max_payload, **(caps or {})}
+
+    @classmethod
+    def from_settings(cls, settings, **kw) -> TcpTransport:
+        secret = auth.load_secret(settings.secret_file) if settings.secret_file else None
+        return cls(secret, **kw)
+
+    def _check_policy(self, address: str, what: str) -> None:
+        if self.secret is None and not auth.is_loopback(address):
+            raise AuthError(f"{what} {address}: not a loopback address, so a cluster secret is "
+                            "required (secret_file)")
+
+    def listen(self, address: str) -> TcpListener:
+        self._check_policy(address, "listen")
+        return TcpListener(self, address)
+
+    def connect(self, address: str) -> TcpConn:
+        self._check_policy(address, "connect to")
+        return TcpConn(self, address)
+
+
+# ===== the serving side ======================================================================
+class _Budget:
+    """Bytes of request payload the server holds at once (the memory bound)."""
+
+    def __init__(self, total: int) -> None:
+        self.free = total
+        self._cv = threading.Condition()
+
+    def take(self, n: int, deadline: float) -> bool:
+        with self._cv:
+            while self.free < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+            self.free -= n
+            return True
+
+    def give(self, n: int) -> None:
+        if n:
+            with self._cv:
+                self.free += n
+                self._cv.notify_all()
+
+
+class _Drop(Exception):
+    """End this connection (the message is its one log line)."""
+
+
+class _ServerConn:
+    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
+        self.sock, self.peer, self.deadline = sock, peer, deadline
+        self.send_lock = threading.Lock()
+        self.closed = False
+
+    def shutdown(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class TcpListener:
+    def __init__(self, transport: TcpTransport, address: str) -> None:
+        self.t = transport
+        host, port = auth.parse_address(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, port), family=family, backlog=512)
+        bound = self.sock.getsockname()
+        self.address = f"[{bound[0]}]:{bound[1]}" if family == socket.AF_INET6 else f"{bound[0]}:{bound[1]}"
+        self.handlers: dict[str, Handler] = {}
+        self._lock = threading.Lock()
+        self._pending: dict[_ServerConn, None] = {}     # in the handshake, oldest first
+        self._active: set[_ServerConn] = set()
+        self._budget = _Budget(transport.payload_budget)
+        self._pool = ThreadPoolExecutor(transport.workers, thread_name_prefix="acache-peer-h")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dropped = 0                                 # connections ended for garbage/timeouts
+
+    @property
+    def capabilities(self) -> dict:
+        return {**self.t.capabilities, "ops": sorted(self.handlers)}
+
+    def register(self, op: str, handler: Handler) -> None:
+        self.handlers[op] = handler
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._accept_loop, name="acache-peer-accept", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self._thread is not None:
+            self._thread.join(10)
+        self.sock.close()
+        with self._lock:
+            conns = [*self._pending, *self._active]
+        for c in conns:
+            c.shutdown()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def counts(self) -> dict:
+        with self._lock:
+            return {"pending": len(self._pending), "active": len(self._active), "dropped": self.dropped}
+
+    # -- accepting ---------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        self.sock.settimeout(0.5)     # also the period of the handshake-deadline sweep
+        while not self._stop.is_set():
+            self._sweep()
+            try:
+                sock, addr = self.sock.accept()
+            except _TIMEOUTS:
+                continue
+            except OSError as e:
+                if self._stop.is_set():
+                    return
+                log.warning("peer server: accept failed: %s", _why(e))
+                self._make_room(force=True)
+                time.sleep(0.05)      # out of fds: the oldest handshake was closed; let it go
+                continue
+            peer = f"{addr[0]}:{addr[1]}"
+            conn = _ServerConn(sock, peer, time.monotonic() + self.t.handshake_timeout)
+            with self._lock:
+                self._make_room()
+                self._pending[conn] = None
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="acache-peer-conn",
+                                 daemon=True).start()
+            except RuntimeError:
+                log.warning("peer server: cannot start a thread; %s closed", peer)
+                with self._lock:
+                    self._pending.pop(conn, None)
+                sock.close()
+
+    def _make_room(self, force: bool = False) -> None:
+        """Close the oldest handshake when too many are under way (lock held unless force)."""
+        if len(self._pending) >= self.t.max_pending or (force and self._pending):
+            oldest = next(iter(self._pending))
+            self._pending.pop(oldest, None)
+            log.debug("peer server: %d handshakes under way; %s closed", self.t.max_pending, oldest.peer)
+            oldest.shutdown()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            late = [c for c in self._pending if c.deadline <= now]
+        for c in late:
+            log.info("peer %s: no handshake within %gs; closed", c.peer, self.t.handshake_timeout)
+            c.shutdown()
+
+    # -- one connection ------------------------------------------------------------------------
+    def _serve(self, c: _ServerConn) -> None:
+        sock = c.sock
+        try:
+            _tune(sock, self.t.sock_buf, self.t.timeout)
+            sock.settimeout(self.t.handshake_timeout)
+            try:
+                auth.server_handshake(sock, self.t.secret, self.capabilities)
+            except AuthError as e:
+                log.warning("peer %s: refused: %s", c.peer, e)
+                return
+            except (TransportError, OSError) as e:
+                log.info("peer %s: handshake failed: %s", c.peer, e)
+                return
+            with self._lock:
+                was_pending = self._pending.pop(c, "gone") is None
+                full = len(self._active) >= self.t.max_conns
+                if was_pending and not full:
+                    self._active.add(c)
+            if not was_pending:
+                return
+            if full:
+                log.warning("peer %s: refused: %d connections open", c.peer, self.t.max_conns)
+                auth.refuse(sock, errno.EBUSY, f"{self.t.max_conns} connections open")
+                return
+            auth.ready(sock)
+            sock.settimeout(self.t.frame_timeout)   # for the replies (sendmsg, sendfile)
+            self._read_requests(c)
+        except _Drop as e:
+            self.dropped += 1
+            log.warning("peer %s: %s; connection dropped", c.peer, e)
+        except OSError as e:
+            log.info("peer %s: connection lost: %s", c.peer, _why(e))
+        finally:
+            with self._lock:
+                self._pending.pop(c, None)
+                self._active.discard(c)
+            c.shutdown()
+            sock.close()
+
+    def _recv(self, c: _ServerConn, buf: memoryview, deadline: float, what: str) -> None:
+        """Fill ``buf`` before ``deadline`` (poll + non-blocking recv: the socket's own timeout
+        is the send timeout of the replies)."""
+        got, n = 0, len(buf)
+        poller = select.poll()
+        poller.register(c.sock, select.POLLIN)
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                raise _Drop(f"{what} did not arrive within its timeout")
+            try:
+                k = c.sock.recv_into(buf[got:], n - got, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                continue
+            if not k:
+                raise ConnectionError(errno.ECONNRESET, "closed by the peer")
+            got += k
+
+    def _read_requests(self, c: _ServerConn) -> None:
+        inflight = threading.BoundedSemaphore(self.t.max_inflight)
+        hdr = bytearray(wire.HEADER)
+        poller = select.poll()
+        poller.register(c.sock, select.POLLIN)
+        while not c.closed:
+            if not poller.poll(self.t.idle_timeout * 1000):
+                log.info("peer %s: idle for %gs; closed", c.peer, self.t.idle_timeout)
+                return
+            deadline = time.monotonic() + self.t.frame_timeout
+            try:
+                k = c.sock.recv_into(hdr, wire.HEADER, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                continue
+            if not k:
+                return                                        # closed between requests
+            self._recv(c, memoryview(hdr)[k:], deadline, "a frame header")
+            try:
+                h = wire.parse_header(hdr, self.t.limits, {wire.REQUEST})
+                meta_raw = bytearray(h.meta_len)
+                self._recv(c, memoryview(meta_raw), deadline, "a request's meta")
+                op, meta = wire.decode_request(meta_raw)
+            except FrameError as e:
+                raise _Drop(str(e))
+            handler = self.handlers.get(op)
+            if handler is None:
+                raise _Drop(f"unknown op {op!r}")
+            n = h.payload_len
+            if not self._budget.take(n, deadline):
+                raise _Drop("no memory for the request payload within the frame timeout")
+            try:
+                payload = bytearray(n)
+                self._recv(c, memoryview(payload), deadline, "a request's payload")
+                if not inflight.acquire(timeout=self.t.frame_timeout):
+                    raise _Drop(f"{self.t.max_inflight} requests stuck in handlers")
+            except BaseException:
+                self._budget.give(n)
+                raise
+            try:
+                self._pool.submit(self._run, c, inflight, h.rid, op, handler, meta, payload)
+            except RuntimeError:                              # the listener is closing
+                inflight.release()
+                self._budget.give(n)
+                return
+
+    def _run(self, c: _ServerConn, inflight: threading.BoundedSemaphore, rid: int, op: str,
+             handler: Handler, meta: dict, payload: bytearray) -> None:
+        try:
+            try:
+                res = handler(meta, memoryview(payload))
+                reply = res if isinstance(res, Reply) else Reply(meta=res)
+                body = wire.encode_meta(reply.meta)
+            except (OSError, AcacheError) as e:
+                err = _errno_of(e)
+                msg = (e.strerror if isinstance(e, OSError) else str(e)) or os.strerror(err)
+                self._send_error(c, rid, err, msg)
+                return
+            except Exception as e:    # a bug in a handler: say so, keep serving
+                log.exception("peer %s: handler %r failed", c.peer, op)
+                self._send_error(c, rid, errno.EIO, f"{type(e).__name__}: {e}")
+                return
+            finally:
+                self._budget.give(len(payload))
+                del payload
+            self._send_reply(c, rid, body, reply.payload)
+        finally:
+            inflight.release()
+
+    def _send_reply(self, c: _ServerConn, rid: int, body: bytes,
+                    payload: bytes | bytearray | memoryview | FileRegion) -> None:
+        region = payload if isinstance(payload, FileRegion) else None
+        try:
+            with c.send_lock:
+                if c.closed:
+                    return
+                if region is not None:
+                    c.sock.sendall(wire.pack_header(wire.REPLY, rid, len(body), region.length) + body,
+                                   socket.MSG_MORE if region.length else 0)
+                    wire.send_region(c.sock, region, self.t.frame_timeout)
+                else:
+                    assert not isinstance(payload, FileRegion)
+                    n = memoryview(payload).nbytes
+                    wire.send_buffers(c.sock, [wire.pack_header(wire.REPLY, rid, len(body), n), body, payload])
+        except OSError as e:       # half a frame may be out: this connection is done
+            log.info("peer %s: reply not sent (%s); closed", c.peer, e)
+            c.shutdown()
+        finally:
+            if region is not None and region.release is not None:
+                region.release()
+
+    def _send_error(self, c: _ServerConn, rid: int, err: int, msg: str) -> None:
+        body = wire.encode_meta({"errno": err, "msg": msg[:512]})
+        self._send_reply_raw(c, wire.pack_header(wire.ERROR, rid, len(body)) + body)
+
+    def _send_reply_raw(self, c: _ServerConn, data: bytes) -> None:
+        try:
+            with c.send_lock:
+                if not c.closed:
+                    c.sock.sendall(data)
+        except OSError:
+            c.shutdown()
+
+
+# ===== the client side =======================================================================
+class _Pending:
+    __slots__ = ("into", "done", "meta", "payload", "n", "error")
+
+    def __init__(self, into: memoryview | None) -> None:
+        self.into = into
+        self.done = threading.Event()
+        self.meta: dict = {}
+        self.payload: bytearray = bytearray()
+        self.n = 0
+        self.error: BaseException | None = None
+
+
+class _Stream:
+    """One TCP connection, multiplexed by request id."""
+
+    def __init__(self, t: TcpTransport, address: str) -> None:
+        self.t, self.address = t, address
+        host, port = auth.parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=t.connect_timeout)
+        except OSError as e:
+            raise PeerUnavailable(f"peer {address}: {_why(e)}") from None
+        try:
+            _tune(sock, t.sock_buf, t.timeout)
+            sock.settimeout(t.connect_timeout)
+            self.peer_caps = auth.client_handshake(sock, t.secret, t.capabilities)
+        except TransportError:
+            sock.close()
+            raise
+        except OSError as e:
+            sock.close()
+            raise PeerUnavailable(f"peer {address}: handshake: {_why(e)}") from None
+        sock.settimeout(t.timeout)
+        self.sock = sock
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._rids = itertools.count(1)
+        self.dead: BaseException | None = None
+        self.last_rx = self.last_used = time.monotonic()
+        self.bytes_in = self.bytes_out = self.requests = 0
+        self._reader = threading.Thread(target=self._read_loop, name="acache-peer-rx", daemon=True)
+        self._reader.start()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    def fail(self, exc: BaseException) -> None:
+        """Declare the stream dead; its reader resolves every waiter as it exits."""
+        with self._lock:
+            if self.dead is None:
+                self.dead = exc
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.fail(PeerUnavailable(f"peer {self.address}: connection closed"))
+        self._reader.join(self.t.timeout)
+        self.sock.close()
+
+    def call(self, op: str, meta: dict, payload, into: memoryview | None,
+             timeout: float | None) -> _Pending:
+        body = wire.encode_meta([op, meta])
+        if len(body) > self.t.limits.max_meta:
+            raise ProtocolError(f"request meta of {len(body)} bytes is over the limit")
+        plen = memoryview(payload).nbytes
+        p = _Pending(into)
+        with self._lock:
+            if self.dead is not None:
+                raise PeerUnavailable(str(self.dead))
+            rid = next(self._rids)
+            if not self._pending:      # the silence clock starts when a request starts waiting
+                self.last_rx = time.monotonic()
+            self._pending[rid] = p
+            self.requests += 1
+            self.last_used = time.monotonic()
+        try:
+            with self._send_lock:
+                wire.send_buffers(self.sock, [wire.pack_header(wire.REQUEST, rid, len(body), plen),
+                                              body, payload])
+            self.bytes_out += plen
+        except OSError as e:
+            self.fail(PeerUnavailable(f"peer {self.address}: send: {_why(e)}"))
+        if not p.done.wait(timeout):
+            self.fail(PeerUnavailable(f"peer {self.address}: no reply to {op!r} within {timeout}s"))
+            p.done.wait()         # the reader resolves it right after the shutdown
+        if p.error is not None:
+            raise p.error
+        return p
+
+    def _read_loop(self) -> None:
+        hdr = bytearray(wire.HEADER)
+        limits = wire.Limits(self.t.limits.max_meta, self.t.reply_limit)
+        err: BaseException
+        try:
+            while True:
+                try:
+                    k = self.sock.recv_into(hdr, wire.HEADER)
+                except _TIMEOUTS:
+                    if self._pending and time.monotonic() - self.last_rx >= self.t.timeout:
+                        raise PeerUnavailable(f"peer {self.address}: silent for {self.t.timeout}s "
+                                              "with requests waiting")
+                    continue
+                if not k:
+                    raise PeerUnavailable(f"peer {self.address}: connection closed")
+                self.last_rx = time.monotonic()
+                self._recv(memoryview(hdr)[k:])
+                h = wire.parse_header(hdr, limits, {wire.REPLY, wire.ERROR})
+                meta_raw = bytearray(h.meta_len)
+                self._recv(memoryview(meta_raw))
+                with self._lock:
+                    p = self._pending.get(h.rid)
+                if p is None:
+                    raise ProtocolError(f"a reply to request {h.rid}, which is not waiting")
+                n = h.payload_len
+                if h.type == wire.ERROR:
+                    d = wire.decode_map(meta_raw)
+                    self._skip(n)
+                    e = d.get("errno")
+                    p.error = RemoteError(e if isinstance(e, int) and e > 0 else errno.EIO,
+                                          str(d.get("msg", "")))
+                elif p.into is not None and n > len(p.into):
+                    self._skip(n)
+                    p.error = ProtocolError(f"a reply of {n} bytes for a buffer of {len(p.into)}")
+                else:
+                    if p.into is not None:
+                        self._recv(p.into[:n])
+                        p.n = n
+                    else:
+                        p.payload = bytearray(n)
+                        self._recv(memoryview(p.payload))
+                        p.n = n
+                    self.bytes_in += n
+                    try:
+                        p.meta = wire.decode_map(meta_raw)
+                    except FrameError as e:
+                        p.error = e
+                with self._lock:
+                    self._pending.pop(h.rid, None)
+                p.done.set()
+        except TransportError as e:
+            err = e
+        except _TIMEOUTS:
+            err = PeerUnavailable(f"peer {self.address}: nothing received for {self.t.timeout}s")
+        except OSError as e:
+            err = PeerUnavailable(f"peer {self.address}: {_why(e)}")
+        with self._lock:
+            if self.dead is None:
+                self.dead = err
+            err = self.dead        # fail()'s reason first: it came before the reader saw why
+            waiting, self._pending = self._pending, {}
+        if isinstance(err, ProtocolError):
+            log.warning("peer %s: %s; connection dropped", self.address, err)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for p in waiting.values():
+            p.error = err
+            p.done.set()
+
+    def _recv(self, buf: memoryview) -> None:
+        got, n = 0, len(buf)
+        while got < n:
+            k = self.sock.recv_into(buf[got:], n - got)
+            if not k:
+                raise PeerUnavailable(f"peer {self.address}: connection closed mid-reply")
+            got += k
+            self.last_rx = time.monotonic()
+
+    def _skip(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20)))
+        while n:
+            k = min(n, len(scratch))
+            self._recv(scratch[:k])
+            n -= k
+
+
+class TcpConn:
+    """The Conn to one peer: a pool of multiplexed streams (see the module docstring)."""
+
+    def __init__(self, t: TcpTransport, address: str) -> None:
+        self.t, self.address = t, address
+        self._lock = threading.Lock()
+        self._streams: list[_Stream] = [_Stream(t, address)]   # the first at once: errors now
+        self.peer_capabilities = self._streams[0].peer_caps
+        self._closed = False
+        self._opened = 1
+
+    def _pick(self) -> _Stream:
+        with self._lock:
+            if self._closed:
+                raise PeerUnavailable(f"peer {self.address}: connection closed")
+            now = time.monotonic()
+            keep = []
+            for s in self._streams:
+                if s.dead is None and not (s.inflight == 0 and len(self._streams) > 1
+                                           and now - s.last_used > self.t.idle_timeout / 2):
+                    keep.append(s)
+                else:
+                    threading.Thread(target=s.close, daemon=True).start()
+            self._streams = keep
+            best = min(keep, key=lambda s: s.inflight, default=None)
+            if best is not None and (best.inflight == 0 or len(keep) >= self.t.streams):
+                return best
+            try:
+                s = _Stream(self.t, self.address)
+            except PeerUnavailable:
+                if best is None:
+                    raise
+                return best            # the extra stream is a nicety; use what is open
+            self._streams.append(s)
+            self._opened += 1
+            return s
+
+    def request(self, op: str, meta: dict, payload: bytes | bytearray | memoryview = b"", *,
+                timeout: float | None = None) -> tuple[dict, bytes | bytearray]:
+        p = self._pick().call(op, meta, payload, None, timeout)
+        return p.meta, p.payload
+
+    def read_into(self, op: str, meta: dict, buf: memoryview, *, timeout: float | None = None) -> int:
+        return self._pick().call(op, meta, b"", memoryview(buf).cast("B"), timeout).n
+
+    def stats(self) -> dict:
+        with self._lock:
+            ss = list(self._streams)
+        return {"requests": sum(s.requests for s in ss), "bytes_in": sum(s.bytes_in for s in ss),
+                "bytes_out": sum(s.bytes_out for s in ss), "streams": len(ss),
+                "streams_opened": self._opened}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            ss, self._streams = self._streams, []
+        for s in ss:
+            s.close()
