@@ -481,6 +481,9 @@ class _Stream:
         if len(body) > self.t.limits.max_meta:
             raise ProtocolError(f"request meta of {len(body)} bytes is over the limit")
         plen = memoryview(payload).nbytes
+        limit = self.peer_caps.get("max_payload")
+        if isinstance(limit, int) and plen > limit:
+            raise ProtocolError(f"a payload of {plen} bytes: the peer takes at most {limit}")
         p = _Pending(into)
         with self._lock:
             if self.dead is not None:
