@@ -138,6 +138,10 @@ class _Budget:
                 self._cv.notify_all()
 
 
+_PIECE = 1 << 20
+_ZEROS = bytes(_PIECE)
+
+
 class _Drop(Exception):
     """End this connection (the message is its one log line)."""
 
@@ -336,15 +340,21 @@ class TcpListener:
             if handler is None:
                 raise _Drop(f"unknown op {op!r}")
             n = h.payload_len
-            if not self._budget.take(n, deadline):
-                raise _Drop("no memory for the request payload within the frame timeout")
+            payload = bytearray()
             try:
-                payload = bytearray(n)
-                self._recv(c, memoryview(payload), deadline, "a request's payload")
+                # the payload's memory is taken as its bytes arrive, not as announced: a peer
+                # that announces much and sends little holds little
+                while len(payload) < n:
+                    k = min(n - len(payload), _PIECE)
+                    if not self._budget.take(k, deadline):
+                        raise _Drop("no memory for the request payload within the frame timeout")
+                    have = len(payload)
+                    payload.extend(_ZEROS if k == _PIECE else bytes(k))
+                    self._recv(c, memoryview(payload)[have:], deadline, "a request's payload")
                 if not inflight.acquire(timeout=self.t.frame_timeout):
                     raise _Drop(f"{self.t.max_inflight} requests stuck in handlers")
             except BaseException:
-                self._budget.give(n)
+                self._budget.give(len(payload))
                 raise
             try:
                 self._pool.submit(self._run, c, inflight, h.rid, op, handler, meta, payload)
