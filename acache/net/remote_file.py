@@ -48,6 +48,15 @@ class RemoteFile:
             self.stats["hits"] += 1
         return f
 
+    def _ahead(self, first: int, last: int) -> None:
+        """Fetch the chunks after ``last``; forget those before ``first`` (lock held)."""
+        for i in range(last + 1, min(last + 1 + self.readahead, (self.size + self.chunk - 1) // self.chunk)):
+            self._chunk(i, prefetch=True)
+        for i in [i for i in self._cache if i < first]:   # consumed: behind the reader
+            del self._cache[i]
+        while len(self._cache) > last - first + 1 + self.readahead:
+            self._cache.popitem(last=False)
+
     def readinto(self, offset: int, buf: memoryview | bytearray) -> int:
         out = memoryview(buf).cast("B")
         n = max(0, min(len(out), self.size - offset))
@@ -59,13 +68,7 @@ class RemoteFile:
             self._next = offset + n
             if sequential:
                 futs = [(i, self._chunk(i)) for i in range(first, last + 1)]
-                for i in range(last + 1, min(last + 1 + self.readahead,
-                                             (self.size + self.chunk - 1) // self.chunk)):
-                    self._chunk(i, prefetch=True)
-                for i in [i for i in self._cache if i < first]:   # consumed: behind the reader
-                    del self._cache[i]
-                while len(self._cache) > last - first + 1 + self.readahead:
-                    self._cache.popitem(last=False)
+                self._ahead(first, last)
         if sequential:
             got = 0
             for i, f in futs:
@@ -108,10 +111,25 @@ class RemoteFile:
                 short = k < hi - lo
         return got
 
-    def pread(self, offset: int, n: int) -> bytearray:
-        buf = bytearray(max(0, min(n, self.size - offset)))
-        del buf[self.readinto(offset, buf):]
-        return buf
+    def pread(self, offset: int, n: int) -> memoryview:
+        """Up to ``n`` bytes at ``offset`` (fewer only at the end), read-only.  A sequential read
+        within one chunk is a view of the fetched chunk itself: no copy at all."""
+        n = max(0, min(n, self.size - offset))
+        idx = offset // self.chunk
+        if n and offset == self._next and (offset + n - 1) // self.chunk == idx:
+            with self._lock:
+                f = self._cache.get(idx)
+            if f is not None and f.done() and f.exception() is None:
+                cbuf, cn = f.result()
+                lo = offset - idx * self.chunk
+                view = memoryview(cbuf)[lo:min(lo + n, cn)].toreadonly()
+                with self._lock:
+                    self._next = offset + len(view)
+                    self.stats["hits"] += 1
+                    self._ahead(idx, idx)
+                return view
+        buf = bytearray(n)
+        return memoryview(buf)[:self.readinto(offset, buf)].toreadonly()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -87,7 +87,10 @@ Handler = Callable[[dict, memoryview], Union[Reply, dict]]
 class Listener(Protocol):
     address: str                       # "host:port" actually bound (port 0 -> the real one)
 
-    def register(self, op: str, handler: Handler) -> None: ...
+    def register(self, op: str, handler: Handler, *, inline: bool = False) -> None:
+        """``inline``: the handler never blocks (memory, page cache): it may run on the thread
+        that reads the connection, saving a handoff; the connection waits while it runs."""
+        ...
     def start(self) -> None: ...       # serve in background threads
     def close(self) -> None: ...       # stop accepting, drop every connection
 
