@@ -10,6 +10,7 @@ pieces land straight in its buffer.  Errors of a prefetched chunk surface when i
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,16 +27,35 @@ class RemoteFile:
         self._lock = threading.Lock()
         self._cache: OrderedDict[int, Future] = OrderedDict()   # chunk index -> (buf, n)
         self._next = 0                                           # where a sequential read starts
+        self._spent: list[bytearray] = []    # chunk buffers dropped from the cache, to reuse
         self.stats = {"hits": 0, "misses": 0, "prefetched": 0, "direct": 0}
 
     def _fetch_into(self, offset: int, buf: memoryview) -> int:
         return self.conn.read_into(self.op, {**self.meta, "offset": offset, "length": len(buf)},
                                    buf, timeout=self.timeout)
 
+    def _buffer(self, n: int) -> bytearray:
+        """A chunk buffer: a spent one nobody looks at any more (no view of it from pread is
+        alive: CPython's refcount says so), else a new one.  Fresh 8 MiB buffers cost a memset
+        and page faults, a fair part of the time of a fast link."""
+        with self._lock:
+            for i, b in enumerate(self._spent):
+                # refs: the list, the loop variable, getrefcount's argument
+                if len(b) == n and sys.getrefcount(b) <= 3:
+                    return self._spent.pop(i)
+            del self._spent[:-2 * (self.readahead + 2)]
+        return bytearray(n)
+
     def _fetch_chunk(self, idx: int) -> tuple[bytearray, int]:
         off = idx * self.chunk
-        buf = bytearray(min(self.chunk, self.size - off))
+        buf = self._buffer(min(self.chunk, self.size - off))
         return buf, self._fetch_into(off, memoryview(buf))
+
+    def _forget(self, idx: int) -> None:
+        """Drop chunk ``idx`` from the cache (lock held); its buffer may be reused."""
+        f = self._cache.pop(idx)
+        if f.done() and not f.cancelled() and f.exception() is None:
+            self._spent.append(f.result()[0])
 
     def _chunk(self, idx: int, prefetch: bool = False) -> Future:
         """The (maybe running) fetch of chunk ``idx`` (lock held)."""
@@ -53,9 +73,9 @@ class RemoteFile:
         for i in range(last + 1, min(last + 1 + self.readahead, (self.size + self.chunk - 1) // self.chunk)):
             self._chunk(i, prefetch=True)
         for i in [i for i in self._cache if i < first]:   # consumed: behind the reader
-            del self._cache[i]
+            self._forget(i)
         while len(self._cache) > last - first + 1 + self.readahead:
-            self._cache.popitem(last=False)
+            self._forget(next(iter(self._cache)))
 
     def readinto(self, offset: int, buf: memoryview | bytearray) -> int:
         out = memoryview(buf).cast("B")
