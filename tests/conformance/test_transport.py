@@ -278,13 +278,17 @@ def test_parallel_chunked_read_256mib_with_readahead(h, served):
     del data
     conn = h.connect(served, streams=4)
     rf = RemoteFile(conn, "read", {"name": "big"}, size, chunk=8 << 20, parallel=4, readahead=4)
-    hs, off = hashlib.sha256(), 0
+    hs, off, kept = hashlib.sha256(), 0, []
     while off < size:                          # a sequential reader, 1 MiB at a time
         b = rf.pread(off, 1 << 20)
         assert b, off
         hs.update(b)
+        if off % (64 << 20) == 0:
+            kept.append((off, b, hashlib.sha256(b).digest()))
         off += len(b)
     assert hs.hexdigest() == want
+    # views pread handed out stay intact: their chunk buffers are not reused under them
+    assert len(kept) == 4 and all(hashlib.sha256(b).digest() == d for _, b, d in kept)
     st = rf.stats
     # 32 chunks: the first a miss, the rest fetched ahead of the reader
     assert st["misses"] == 1 and st["prefetched"] == 31 and st["direct"] == 0
