@@ -216,9 +216,8 @@ class TcpListener:
             self._thread.join(10)
         self.sock.close()
         with self._lock:
-            conns = [*self._pending, *self._active]
-        for c in conns:
-            c.shutdown()
+            for c in [*self._pending, *self._active]:
+                c.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def counts(self) -> dict:
@@ -238,7 +237,8 @@ class TcpListener:
                 if self._stop.is_set():
                     return
                 log.warning("peer server: accept failed: %s", _why(e))
-                self._make_room(force=True)
+                with self._lock:
+                    self._make_room(force=True)
                 time.sleep(0.05)      # out of fds: the oldest handshake was closed; let it go
                 continue
             peer = f"{addr[0]}:{addr[1]}"
@@ -256,7 +256,7 @@ class TcpListener:
                 sock.close()
 
     def _make_room(self, force: bool = False) -> None:
-        """Close the oldest handshake when too many are under way (lock held unless force)."""
+        """Close the oldest handshake when too many are under way (lock held)."""
         if len(self._pending) >= self.t.max_pending or (force and self._pending):
             oldest = next(iter(self._pending))
             self._pending.pop(oldest, None)
@@ -265,11 +265,10 @@ class TcpListener:
 
     def _sweep(self) -> None:
         now = time.monotonic()
-        with self._lock:
-            late = [c for c in self._pending if c.deadline <= now]
-        for c in late:
-            log.info("peer %s: no handshake within %gs; closed", c.peer, self.t.handshake_timeout)
-            c.shutdown()
+        with self._lock:             # shutdown under the lock: the socket is not closed meanwhile
+            for c in [c for c in self._pending if c.deadline <= now]:
+                log.info("peer %s: no handshake within %gs; closed", c.peer, self.t.handshake_timeout)
+                c.shutdown()
 
     # -- one connection ------------------------------------------------------------------------
     def _serve(self, c: _ServerConn) -> None:
@@ -308,8 +307,9 @@ class TcpListener:
             with self._lock:
                 self._pending.pop(c, None)
                 self._active.discard(c)
-            c.shutdown()
-            sock.close()
+                c.shutdown()
+            with c.send_lock:          # no reply is being sent (sendfile holds the fd number)
+                sock.close()
 
     def _recv(self, c: _ServerConn, buf: memoryview, deadline: float, what: str) -> None:
         """Fill ``buf`` before ``deadline`` (poll + non-blocking recv: the socket's own timeout
@@ -503,7 +503,8 @@ class _Stream:
     def close(self) -> None:
         self.fail(PeerUnavailable(f"peer {self.address}: connection closed"))
         self._reader.join(self.t.timeout)
-        self.sock.close()
+        with self._send_lock:        # no request is being sent on this fd number
+            self.sock.close()
 
     def call(self, op: str, meta: dict, payload, into: memoryview | None,
              timeout: float | None) -> _Pending:
