@@ -193,7 +193,7 @@ class TcpListener:
 
     @property
     def capabilities(self) -> dict:
-        return {**self.t.capabilities, "ops": sorted(self.handlers)}
+        return {**self.t.capabilities, "ops": sorted(self.handlers), "idle_timeout": self.t.idle_timeout}
 
     def register(self, op: str, handler: Handler, *, inline: bool = False) -> None:
         self.handlers[op] = handler
@@ -635,6 +635,8 @@ class TcpConn:
         self._lock = threading.Lock()
         self._streams: list[_Stream] = [_Stream(t, address)]   # the first at once: errors now
         self.peer_capabilities = self._streams[0].peer_caps
+        idle = self.peer_capabilities.get("idle_timeout")
+        self._idle = float(idle) if isinstance(idle, (int, float)) and idle > 0 else t.idle_timeout
         self._closed = False
         self._opened = 1
 
@@ -645,8 +647,9 @@ class TcpConn:
             now = time.monotonic()
             keep = []
             for s in self._streams:
-                if s.dead is None and not (s.inflight == 0 and len(self._streams) > 1
-                                           and now - s.last_used > self.t.idle_timeout / 2):
+                # a stream idle for half the server's idle timeout is retired before the server
+                # closes it under a new request
+                if s.dead is None and not (s.inflight == 0 and now - s.last_used > self._idle / 2):
                     keep.append(s)
                 else:
                     threading.Thread(target=s.close, daemon=True).start()

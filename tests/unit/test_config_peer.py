@@ -59,3 +59,11 @@ def test_bad_addresses_one_line(tmp_path, key, value, why):
 
 def test_ipv6_loopback(tmp_path):
     assert config.load(home=str(tmp_path), listen="[::1]:0").listen == "[::1]:0"
+
+
+def test_transport_from_settings(tmp_path):
+    from acache.net.tcp import TcpTransport
+    s = config.load(home=str(tmp_path), listen="0.0.0.0:0", secret_file=str(_secret(tmp_path)))
+    t = TcpTransport.from_settings(s)
+    assert t.secret == b"0123456789abcdef0123456789abcdef"
+    assert TcpTransport.from_settings(config.load(home=str(tmp_path))).secret is None

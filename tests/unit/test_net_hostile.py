@@ -363,3 +363,16 @@ def test_a_server_that_stops_mid_reply_never_hangs_the_client(what):
     done.set()
     conn.close()
     srv.close()
+
+
+def test_idle_streams_are_retired_before_the_server_closes_them(server):
+    lst = server(idle_timeout=1.0)
+    conn = TcpTransport(SECRET, **OPTS).connect(lst.address)
+    assert conn.peer_capabilities["idle_timeout"] == 1.0
+    assert conn.request("echo", {"n": 1}) == ({"n": 1}, b"")
+    time.sleep(0.6)                      # the idle time itself is what is tested
+    assert conn.request("echo", {"n": 2}) == ({"n": 2}, b"")
+    assert conn.stats()["streams_opened"] == 2          # retired at 0.5 s, a new one
+    time.sleep(1.5)                      # the server closed it meanwhile: still fine
+    assert conn.request("echo", {"n": 3}) == ({"n": 3}, b"")
+    conn.close()
