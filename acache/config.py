@@ -11,6 +11,9 @@
     meta_reserve = 64 MiB kept free for the metadata on the cache filesystem (acache.meta.reserve)
     chunk_size  = 8 MiB read-through fetch unit
     upload_concurrency = 4 files staged in parallel
+    listen      = host:port the peer server binds (none: no peer server); advertise = host:port
+                  peers dial (default: listen); secret_file = the cluster secret (mode 600),
+                  required unless listen and advertise are loopback (acache.net.auth)
     [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
          multipart_threshold, concurrency, content_md5, verify_tls, connect_timeout,
          read_timeout
@@ -90,6 +93,9 @@ class Settings:
     chunk_size: int = 8 << 20
     upload_concurrency: int = 4
     log_level: str = "INFO"
+    listen: str | None = None
+    advertise: str | None = None
+    secret_file: Path | None = None
     s3: dict = field(default_factory=dict)
     # key -> where its value came from ("config file X, line N", "environment ACACHE_X", "--x")
     sources: dict = field(default_factory=dict, compare=False, repr=False)
@@ -236,6 +242,28 @@ def _ufs(value: object) -> str:
     return value
 
 
+def _address(value: object, *, dial: bool = False) -> str:
+    from acache.net.auth import parse_address
+    try:
+        host, port = parse_address(value)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise _Bad(str(e)) from None
+    if dial and (port == 0 or host in ("0.0.0.0", "::")):
+        raise _Bad("peers must be able to dial it: a real host and a port from 1 to 65535")
+    return str(value).strip()
+
+
+def _secret_file(value: object) -> Path:
+    from acache.net.auth import load_secret
+    from acache.net.transport import AuthError
+    p = _path(value)
+    try:
+        load_secret(p)
+    except AuthError as e:
+        raise _Bad(str(e).split(": ", 1)[-1]) from None
+    return p
+
+
 _CASTS = {
     "home": _path, "cache_dir": _path, "ufs": _ufs,
     "engine": _choice("auto", "native", "pyfuse3"), "log_level": _log_level,
@@ -243,6 +271,7 @@ _CASTS = {
     "flush_delay": _seconds, "stall_timeout": _positive_seconds, "upload_concurrency": _concurrency,
     "chunk_size": _chunk,
     "meta_reserve": _size,
+    "listen": _address, "advertise": lambda v: _address(v, dial=True), "secret_file": _secret_file,
 }
 
 
@@ -332,7 +361,18 @@ def load(config: Path | None = None, **flags) -> Settings:
     if s.cache_size is not None and s.cache_size < s.chunk_size:
         raise ConfigError(f"cache_size = {s.cache_size} ({s.source('cache_size')}) is smaller than "
                           f"chunk_size = {s.chunk_size} ({s.source('chunk_size')})")
+    _check_peer_auth(s)
     return replace(s, home=Path(s.home))
+
+
+def _check_peer_auth(s: Settings) -> None:
+    """A peer server reachable from other hosts must authenticate its peers."""
+    from acache.net.auth import is_loopback
+    exposed = [k for k in ("listen", "advertise") if getattr(s, k) and not is_loopback(getattr(s, k))]
+    if exposed and s.secret_file is None:
+        k = exposed[0]
+        raise ConfigError(f"{k} = {getattr(s, k)!r} ({s.source(k)}) is not a loopback address: "
+                          "set secret_file (a cluster secret, mode 600) so peers authenticate")
 
 
 # -- where things live: the state dir, the cache dir, a file:// under-storage, the mount ------

@@ -11,7 +11,8 @@ under-stores, FUSE replies in the engines, exit codes in the CLI).
     │   ├── TransientError         EIO     yes    5xx, SlowDown, timeouts, connection refused
     │   └── PermanentError         EIO     no     AccessDenied, NoSuchBucket, bad credentials, EACCES
     ├── DaemonError                        no     the CLI cannot reach / talk to the node daemon
-    └── FlushError                         no     `flush --wait` did not reach its barrier
+    ├── FlushError                         no     `flush --wait` did not reach its barrier
+    └── TransportError                     (...)  the peer transport: its own tree in acache.net.transport
 """
 from __future__ import annotations
 
