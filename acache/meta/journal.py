@@ -65,8 +65,11 @@ def journal_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> E
     for old in superseded:
         replaces = replaces or old.replaces
         _cancel(txn, inflight, old)
-    return txn.append(op="put", path=meta.path_of(node.ino), ino=node.ino, gen=node.gen,
-                      size=node.size, replaces=replaces)
+    e = txn.append(op="put", path=meta.path_of(node.ino), ino=node.ino, gen=node.gen,
+                   size=node.size, replaces=replaces)
+    for old in superseded:       # its content includes theirs: a barrier waits for it
+        txn.succeeds(old.seq, e)
+    return e
 
 
 def hold_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> bool:
@@ -170,8 +173,9 @@ def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
             continue     # the entry moved with it takes the attributes when it starts
         path = new + meta.path_of(e.ino)[len(old):]   # e.path may predate an ancestor's rename
         lands = path == new
-        txn.append(op=e.op, path=path, ino=e.ino, gen=e.gen, size=e.size,
-                   replaces=lands and replaces_remote, hold=e.hold, target=e.target)
+        n = txn.append(op=e.op, path=path, ino=e.ino, gen=e.gen, size=e.size,
+                       replaces=lands and replaces_remote, hold=e.hold, target=e.target)
+        txn.succeeds(e.seq, n)       # the same bytes, under the new name
         moved = moved or lands
     return moved
 

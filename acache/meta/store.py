@@ -180,6 +180,7 @@ class Txn:
         self.freed: list[tuple[int, int]] = []   # (ino, gen) no longer needed by the journal
         self.dropped: list = []                  # Inodes/Entries taken out of memory: put back
                                                  # (the same objects) if the commit fails
+        self.succ: list[tuple[int, int]] = []    # (cancelled seq, the seq that carries it on)
 
     def save(self, ino: Inode) -> None:
         self.dirty_inodes[ino.ino] = ino
@@ -215,6 +216,12 @@ class Txn:
         self.puts[K.journal_key(e.seq)] = e.pack()
         self.puts[K.counter_key("next_seq")] = K.u64(s._next_seq)
         return e
+
+    def succeeds(self, old_seq: int, new: Entry) -> None:
+        """``new`` carries on what the cancelled entry ``old_seq`` would have landed (the
+        same bytes under a new name, or newer content that includes them): a barrier
+        waiting for ``old_seq`` waits for ``new`` instead (MetaStore.successor)."""
+        self.succ.append((old_seq, new.seq))
 
     def update_entry(self, e: Entry) -> None:
         self.puts[K.journal_key(e.seq)] = e.pack()
@@ -261,10 +268,13 @@ class Txn:
             except Exception as e:
                 dropped = self.dropped
                 self.puts, self.deletes, self.dirty_inodes, self.freed, self.dropped = {}, [], {}, [], []
+                self.succ = []
                 self.store.undo(e, dropped)
                 raise MetaError(f"metadata write failed: {e}") from None
         freed, self.freed = self.freed, []
-        self.puts, self.deletes, self.dirty_inodes, self.dropped = {}, [], {}, []
+        if self.succ and self.store.barriers:
+            self.store._succ.update(self.succ)
+        self.puts, self.deletes, self.dirty_inodes, self.dropped, self.succ = {}, [], {}, [], []
         for freed_ino, gen in freed:
             self.store.on_freed(freed_ino, gen)
 
@@ -288,6 +298,10 @@ class MetaStore:
         self.on_freed = lambda ino, gen: None      # a cache file the journal let go of
         self.stale = False                          # memory may be ahead of the KV (undo failed)
         self._begun = self._ended = 0               # Txns made / committed (after_failure)
+        # Barriers (flush --wait) in progress, and while there are any, which cancelled
+        # entry another carries on (Txn.succeeds): in memory only, as a barrier is
+        self.barriers = 0
+        self._succ: dict[int, int] = {}
         raw = kv.get(K.counter_key("next_ino"))
         self._next_ino = K.from_u64(raw) if raw else ROOT_INO
         raw = kv.get(K.counter_key("next_seq"))
@@ -388,6 +402,26 @@ class MetaStore:
 
     def gen_pending(self, ino: int, gen: int) -> bool:
         return any(e.gen == gen for e in self.puts_of(ino))
+
+    def begin_barrier(self) -> None:
+        with self.lock:
+            self.barriers += 1
+
+    def end_barrier(self) -> None:
+        with self.lock:
+            self.barriers -= 1
+            if not self.barriers:
+                self._succ.clear()
+
+    def successor(self, seq: int) -> Entry | None:
+        """The pending entry that carries on the cancelled entry ``seq`` (following
+        renames of renames), if a barrier was running when it was cancelled."""
+        while (nxt := self._succ.get(seq)) is not None:
+            e = self._journal.get(nxt)
+            if e is not None:
+                return e
+            seq = nxt
+        return None
 
     def newest_seq(self) -> int:
         """The seq of the newest entry still in the journal (0 if empty)."""

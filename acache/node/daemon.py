@@ -190,12 +190,20 @@ class Node:
     # -- the barrier ------------------------------------------------------------------------
     def flush(self, path: str | None, timeout: float | None, progress=None) -> dict:
         rel = self.rel(path)
-        meta, p = self.meta, self.persister
+        meta = self.meta
         t0 = time.monotonic()
         try:    # files closed while a metadata write failed are not journaled yet
             self.vfs.journal_unjournaled()
         except MetaError as e:
             raise FlushError(f"cannot journal every closed file: {e}") from None
+        meta.begin_barrier()
+        try:
+            return self._flush_wait(rel, timeout, progress, t0)
+        finally:
+            meta.end_barrier()
+
+    def _flush_wait(self, rel: str, timeout: float | None, progress, t0: float) -> dict:
+        meta, p = self.meta, self.persister
         with meta.lock:
             target = meta.last_seq()
             waiting_open = {ino for ino in self.vfs._wopen
@@ -218,7 +226,11 @@ class Node:
                         want.update((e.seq, e) for e in meta.puts_of(ino) if e.touches(rel))
                         p.hurry(meta.last_seq())
                 for s in [s for s, e in want.items() if meta.entry(s) is not e]:
-                    del want[s]      # applied or cancelled
+                    del want[s]      # applied or cancelled, or carried on by another entry
+                    n = meta.successor(s)   # (a rename or a new close of what it held):
+                    if n is not None and n.seq not in want:   # the bytes written before
+                        want[n.seq] = n                       # the barrier are in it
+                        p.hurry(n.seq)
                 pending = sorted(want.values(), key=lambda e: e.seq)
                 failed = [(e, p.failed[e.seq]) for e in pending if e.seq in p.failed]
                 sent = sum(p.jobs[e.seq].sent for e in pending if e.seq in p.jobs)

@@ -414,3 +414,43 @@ def test_checkpoint_lands_over_https(prefix, nodes):
         assert tls.open_uploads(prefix=prefix + "/") == []
         assert n.status()["last_error"] in (None, "")
         n.stop()
+
+
+@pytest.mark.parametrize("how", ["rename", "rename-out", "reclose"])
+def test_barrier_covers_what_moves_while_it_waits(how, srv, prefix, nodes):
+    """flush --wait covers a file closed before it even when, while the barrier waits and
+    the file is still uploading, it is renamed (also out of the flushed directory) or closed
+    again: its entry is cancelled and another carries its bytes on -- the barrier waits for
+    that one (it used to return 0 with the bytes in the under-storage under no name)."""
+    n = s3_node(nodes, srv, prefix, part_size=5 * MiB, flush_delay=60)  # only flush starts it
+    (n.mnt / "ck").mkdir()
+    data = random.Random(5).randbytes(12 * MiB)
+    (n.mnt / "ck" / "a.bin").write_bytes(data)
+    srv.throttle = 2 * MiB               # ~6 s to upload: still staging when it moves
+    try:
+        up0 = srv.bytes_up
+        flush = subprocess.Popen([*ACACHE, "flush", "--wait", "--timeout", "120", str(n.mnt / "ck")],
+                                 env=n.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while srv.bytes_up - up0 < MiB:      # the barrier took its entries and hurried them
+            assert time.monotonic() < deadline and flush.poll() is None, "the upload did not start"
+            time.sleep(0.05)
+        if how == "rename":
+            os.rename(n.mnt / "ck" / "a.bin", n.mnt / "ck" / "b.bin")
+            want = {"ck/b.bin": data}
+        elif how == "rename-out":
+            os.rename(n.mnt / "ck" / "a.bin", n.mnt / "b.bin")
+            want = {"b.bin": data}
+        else:
+            with open(n.mnt / "ck" / "a.bin", "ab") as f:
+                f.write(b"tail")
+            # what was closed before the barrier, or the newer content that includes it
+            want = {"ck/a.bin": data}
+            newer = {"ck/a.bin": data + b"tail"}
+        out, err = flush.communicate(timeout=150)
+    finally:
+        srv.throttle = None
+    assert flush.returncode == 0, out + err
+    got = bucket_files(srv, prefix)
+    assert got == want or (how == "reclose" and got == newer), \
+        f"flush --wait returned before the bytes closed before it landed: {sorted(got)}"
