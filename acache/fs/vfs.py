@@ -474,8 +474,11 @@ class VFS(FileOps):
         raise FsError(errno.ENODATA)
 
     def listxattr(self, ino: int) -> list[bytes]:
+        """No names: the state xattr is computed, not stored, so it is not listed (as
+        CephFS does with its virtual ceph.* names) -- else `cp -a`, rsync -X and tar
+        --xattrs copy a stale "dirty" out of the mount onto other files."""
         self._node(ino)
-        return [STATE_XATTR]
+        return []
 
     def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
         self._node(ino)
