@@ -3,7 +3,7 @@
     acache  /ckpt  fuse.acache  defaults,_netdev,home=/var/lib/acache  0 0
 
 mount(8) runs ``mount.fuse.acache SOURCE MOUNTPOINT -o OPTIONS``.  SOURCE is ``acache``
-(the settings of the node's config) or an under-storage URL (``s3://bucket/prefix``,
+(any word: the settings of the node's config say what is mounted) or an under-storage URL (``s3://bucket/prefix``,
 ``file:///dir``).  Options: ``home``, ``config``, ``engine``, ``ufs``, ``cache_dir``,
 ``cache_size``, ``upload_limit``, ``metrics``, ``passthrough``, ``flush_delay``,
 ``log_level`` (``-`` or ``_``), given to acache as its ACACHE_* settings; mount(8)'s own
@@ -67,9 +67,8 @@ def parse(argv: list[str]) -> tuple[str, str, dict[str, str], bool]:
     env: dict[str, str] = {}
     if "://" in source:
         env["ACACHE_UFS"] = source
-    elif source != "acache":
-        raise HelperError(f"source {source!r}: expected acache or an under-storage URL "
-                          "(s3://bucket/prefix, file:///dir)")
+    # anything else is a label ("acache"; mount(8) makes it a path when the working
+    # directory happens to hold a file of that name): the settings say what is mounted
     for o in opts:
         name, eq, value = o.partition("=")
         key = name.replace("-", "_")

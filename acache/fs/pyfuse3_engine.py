@@ -290,6 +290,13 @@ class Pyfuse3Engine:
         self.ops: Ops | None = None
 
     def start(self) -> None:
+        if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+            # libfuse opens it itself before it would try fusermount3
+            from acache.errors import ConfigError
+            raise ConfigError(f"/dev/fuse is not readable and writable by uid {os.geteuid()} "
+                              "(most distributions make it 0666; here: "
+                              f"{oct(os.stat('/dev/fuse').st_mode & 0o777) if os.path.exists('/dev/fuse') else 'missing'})"
+                              "; run as root, or `chmod 0666 /dev/fuse`")
         opts = set(pyfuse3.default_options)
         opts.discard("default_permissions")
         opts |= {f"fsname={self.fsname}", "subtype=acache", "default_permissions"}

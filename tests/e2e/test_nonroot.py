@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _user_can_run(uid: int, gid: int, path: str) -> bool:
     p = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
-                        path, "-c", "pass"], capture_output=True)
+                        "sh", "-c", f"exec '{path}' -c pass"], capture_output=True, cwd="/")
     return p.returncode == 0
 
 
@@ -40,6 +40,7 @@ def test_nonroot_mount_with_pyfuse3(tmp_path):
 export HOME={home} PYTHONPATH={ROOT}
 unset ACACHE_HOME ACACHE_ENGINE ACACHE_UFS
 cd "$HOME"
+grep CapEff /proc/self/status
 {py} -m acache.cli mount "$HOME/ckpt"
 echo "written by $(id -un)" > "$HOME/ckpt/f.txt"
 cat "$HOME/ckpt/f.txt"
@@ -50,12 +51,20 @@ stat -c %U "$HOME/ckpt/f.txt"
 """
     as_user = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups",
                "sh", "-c", script]
-    if _user_can_run(pw.pw_uid, pw.pw_gid, py):
-        argv = as_user
-    else:
-        # This interpreter lives where the user cannot reach it (a pyenv under a 0700 /root):
-        # in a scratch mount namespace, /root becomes an empty 0755 tmpfs with only the
-        # interpreter's tree bound back in.  The user and what it may do are unchanged.
+    # The test runs in a scratch mount namespace set up as a stock distribution is: /dev/fuse
+    # is 0666 there (udev), in some containers 0600 (libfuse then fails before it would try
+    # fusermount3): a 0666 node of the same device is bound over it.  And where this
+    # interpreter lives out of the user's reach (a pyenv under a 0700 /root), /root becomes
+    # an empty 0755 tmpfs with only the interpreter's tree bound back in.  The user and
+    # what it may do are unchanged (no capabilities: checked below).
+    wrap = "set -e; "
+    st = os.stat("/dev/fuse")
+    if st.st_mode & 0o666 != 0o666:
+        node = base / "fuse"
+        os.mknod(node, 0o20666, st.st_rdev)
+        os.chmod(node, 0o666)
+        wrap += f"mount --bind {node} /dev/fuse; "
+    if not _user_can_run(pw.pw_uid, pw.pw_gid, py):
         real = os.path.realpath(py)
         top = real.split("/")[:3]              # ['', 'root', '.pyenv']
         if top[1] != "root":
@@ -63,9 +72,9 @@ stat -c %U "$HOME/ckpt/f.txt"
         keep = base / "keep"
         keep.mkdir()
         sub = "/".join(top)
-        wrap = (f"set -e; mount --bind {sub} {keep}; mount -t tmpfs -o mode=0755 tmpfs /root; "
-                f"mkdir -p {sub}; mount --move {keep} {sub}; exec \"$@\"")
-        argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", wrap, "sh", *as_user]
+        wrap += (f"mount --bind {sub} {keep}; mount -t tmpfs -o mode=0755 tmpfs /root; "
+                 f"mkdir -p {sub}; mount --move {keep} {sub}; ")
+    argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", wrap + 'exec "$@"', "sh", *as_user]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=300,
                            env={k: v for k, v in os.environ.items() if not k.startswith("ACACHE_")})
@@ -75,6 +84,7 @@ stat -c %U "$HOME/ckpt/f.txt"
         said = [ln for ln in lines if ln.startswith("mounted ")]
         assert said and "pyfuse3 engine" in said[0] and "CAP_SYS_ADMIN" in said[0], p.stdout
         assert f"written by {USER}" in lines and USER in lines, p.stdout
+        assert "CapEff:\t0000000000000000" in lines, p.stdout      # no privilege at all
         assert (home / ".local/state/acache/ufs/f.txt").read_text() == f"written by {USER}\n"
         assert str(home / "ckpt") not in fuse_mounts()
     finally:

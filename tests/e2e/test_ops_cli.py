@@ -192,9 +192,11 @@ umount {mnt}
     env["ACACHE_HOME"] = str(n.home)          # for the flush/down lines of the script only
     try:
         p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
-                           env=env, capture_output=True, text=True, timeout=180)
+                           env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
         assert p.returncode == 0, f"{p.stdout}\n{p.stderr}\n{n.log_tail()}"
-        assert p.stdout.split() == ["fuse.acache", "hello"], p.stdout
+        lines = p.stdout.splitlines()
+        assert "fuse.acache" in lines and "hello" in lines, p.stdout
+        assert any(ln.startswith(f"mounted {mnt} (native engine") for ln in lines), p.stdout
         assert (n.ufs_dir / "hello.txt").read_text() == "hello\n"
         assert str(mnt) not in fuse_mounts()        # never visible outside the namespace
     finally:
@@ -205,7 +207,6 @@ def test_mount_helper_refuses_bad_options(tmp_path):
     from acache.mount_helper import main
     assert main(["acache", str(tmp_path), "-o", "rw,bogus=1"]) == 1
     assert main(["acache", str(tmp_path), "-o", "ro"]) == 1
-    assert main(["nfs:/x", str(tmp_path)]) == 1
     assert main(["acache"]) == 1
     assert main(["acache", str(tmp_path), "-f", "-o", "defaults,_netdev,x-systemd.automount,home=/x"]) == 0
 
