@@ -29,10 +29,10 @@ def require():
 
 
 def demo_figure(path: Path, via: list, direct: list, samples: list, marks: list,
-                label: str, title: str) -> None:
+                label: str, title: str, flush_at: float | None = None) -> None:
     """Two panels: per save, how long the loop was blocked (through acache vs straight to the
     under-storage); and during the acache run, dirty and persisted MiB over time with the
-    saves marked.  ``samples``: [(s, dirty bytes, persisted bytes)]; ``marks``: [(s, step)]."""
+    saves marked.  ``samples``: [(s, dirty, persisted, sent bytes)]; ``marks``: [(s, step)]."""
     plt = require()
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
     steps = [str(s[0]) for s in via]
@@ -49,16 +49,24 @@ def demo_figure(path: Path, via: list, direct: list, samples: list, marks: list,
     a.set_xlabel("save at training step")
     a.set_ylabel("training loop blocked (s)")
     a.set_title("time each save blocked the loop")
-    a.legend(loc="upper left", fontsize=9)
+    top = max([s[2] for s in via] + [s[2] for s in direct] + [1e-3])
+    a.set_ylim(0, top * 1.35)             # room above the bars for the ratios and the legend
+    a.legend(loc="upper center", ncol=2, fontsize=9, frameon=False)
     a.grid(axis="y", alpha=0.3)
-    a.margins(y=0.15)
     if samples:
         t = [s[0] for s in samples]
-        b.plot(t, [s[1] / MiB for s in samples], label="dirty (not yet persisted)", color="#e76f51")
-        b.plot(t, [s[2] / MiB for s in samples], label="persisted since start", color=VIA)
+        b.plot(t, [s[1] / MiB for s in samples], label="dirty (not yet persisted)", color="#e76f51",
+               marker=".", ms=4)
+        b.plot(t, [s[3] / MiB for s in samples], label="sent to the under-storage", color="#8ab17d",
+               ls="--")
+        b.plot(t, [s[2] / MiB for s in samples], label="persisted (files committed)", color=VIA,
+               marker=".", ms=4)
         for i, (ts, step) in enumerate(marks):
             b.axvline(ts, color="#999", lw=0.8, ls=":", label="a save starts" if i == 0 else None)
-        b.legend(loc="upper left", fontsize=9)
+        if flush_at is not None:
+            b.axvline(flush_at, color="#264653", lw=1.2, ls="--", label="training ends: flush --wait")
+        b.set_ylim(0, max([max(s[1:]) for s in samples] + [MiB]) / MiB * 1.35)
+        b.legend(loc="upper left", fontsize=8, ncol=2, frameon=False)
     b.set_xlabel("seconds since the acache run started")
     b.set_ylabel("MiB")
     b.set_title("persisting in the background (acache run, then flush --wait)")
@@ -67,6 +75,10 @@ def demo_figure(path: Path, via: list, direct: list, samples: list, marks: list,
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+_UNITS = {"mib_s": "MiB/s", "ops_s": "operations/s", "seconds": "seconds (lower is better)",
+          "iops": "IOPS"}
 
 
 def _short(text: str, n: int = 34) -> str:
@@ -95,11 +107,11 @@ def bench_figures(directory: Path, rows, cases: dict, label) -> list[Path]:
             ax.barh(names, vals, color=colors)
             ax.invert_yaxis()
             for i, r in enumerate(rs):
-                note = f" {vals[i]:.3g}" + (f"  ({r.ratio:.2f}× {r.baseline})"
+                note = (f" {vals[i]:,.0f}" if vals[i] >= 100 else f" {vals[i]:.3g}") + (f"  ({r.ratio:.2f}× {r.baseline})"
                                             if r.ratio is not None and r.target != r.baseline else "")
                 ax.text(vals[i], i, note, va="center", fontsize=8)
             ax.set_title(test, fontsize=10, loc="left")
-            ax.set_xlabel(rs[0].primary.replace("_", "/") if rs else "")
+            ax.set_xlabel(_UNITS.get(rs[0].primary, rs[0].primary) if rs else "")
             ax.margins(x=0.35)
             ax.grid(axis="x", alpha=0.3)
         fig.suptitle(f"case {case}: {title}")
