@@ -320,6 +320,11 @@ class CacheDir:
     def dirty_bytes(self) -> int:
         return sum(self._sizes.get(k, 0) for k in list(self.dirty))
 
+    def dirty_stats(self) -> tuple[int, int]:
+        """(bytes, files) not yet persisted, counted together (metrics)."""
+        with self._lock:
+            return sum(self._sizes.get(k, 0) for k in self.dirty), len(self.dirty)
+
     def wait_for_room(self, need: int = 0) -> None:
         """Backpressure: evict clean data; if dirty data fills the cache, wait."""
         if self.used() + need <= self.effective_limit():

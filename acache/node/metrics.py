@@ -91,11 +91,9 @@ class NodeCollector:
         def ctr(name: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(name.removesuffix("_total"), _HELP[name], value=value)
 
-        with c._lock:
-            dirty = list(c.dirty)
-            dirty_bytes = sum(c._sizes.get(k, 0) for k in dirty)
+        dirty_bytes, dirty_files = c.dirty_stats()
         yield g("acache_dirty_bytes", dirty_bytes)
-        yield g("acache_dirty_files", len(dirty))
+        yield g("acache_dirty_files", dirty_files)
         yield g("acache_persisting_bytes", q["persisting_bytes"])
         yield g("acache_persisting_files", q["persisting_files"])
         yield ctr("acache_persisted_bytes_total", q["persisted_bytes"])

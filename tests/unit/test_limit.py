@@ -84,3 +84,24 @@ def test_bucket_off_never_waits():
     for _ in range(10):
         b.take(1 << 30)
     assert ft.now == 1000.0 and b.taken == 10 << 30
+
+
+@pytest.mark.parametrize("scheme", ["file", "mem"])
+def test_stores_pay_for_every_byte_they_upload(tmp_path, scheme):
+    """Each store calls the limiter before sending, for every byte of a stage."""
+    from acache.data.under import open_store
+    url = f"file://{tmp_path / 'ufs'}" if scheme == "file" else f"mem://limit-{tmp_path.name}"
+    store = open_store(url)
+    paid: list[int] = []
+    store.set_limiter(paid.append)
+    src = tmp_path / "src"
+    size = 9 * MiB + 123
+    src.write_bytes(b"x" * size)
+    staged = store.stage("a/b", store.new_token("a/b"), str(src), size)
+    staged.commit()
+    assert sum(paid) == size and len(paid) >= 3, paid      # in pieces, not at once
+    store.set_limiter(None)
+    staged = store.stage("a/c", store.new_token("a/c"), str(src), size)
+    staged.commit()
+    assert sum(paid) == size
+    store.close()
