@@ -238,7 +238,9 @@ def flush(path: Optional[Path] = typer.Argument(None, help="Only what is under t
             c.call("status")   # the node persists on its own; --no-wait only checks it is up
             out.print("the node is persisting in the background")
             return
-        plain = not err.is_terminal    # a log or a pipe: a plain line a second, no control codes
+        # a log or a pipe: a plain line a second on stdout (stderr keeps only a failure's one
+        # line), no control codes
+        plain = not err.is_terminal
         with Progress(TextColumn("[bold]persisting"), BarColumn(), DownloadColumn(),
                       TextColumn("{task.fields[files]} files"), TransferSpeedColumn(),
                       TimeRemainingColumn(), console=err, disable=plain, transient=True) as prog:
@@ -252,9 +254,10 @@ def flush(path: Optional[Path] = typer.Argument(None, help="Only what is under t
                     prog.update(task, total=total, completed=total - info["bytes_left"], files=files)
                 elif time.monotonic() - last[0] >= 1.0:
                     last[0] = time.monotonic()
-                    print(f"{time.strftime('%H:%M:%S')} persisting: {_human(total - info['bytes_left'])}"
-                          f" of {_human(info['total_bytes'])} done, {files} files left, "
-                          f"{_human(info['rate'])}/s", file=sys.stderr, flush=True)
+                    done = max(0, info["total_bytes"] - info["bytes_left"])
+                    print(f"{time.strftime('%H:%M:%S')} persisting: {_human(done)} of "
+                          f"{_human(info['total_bytes'])} done, {files} files left, "
+                          f"{_human(info['rate'])}/s", flush=True)
             res = c.flush(p, timeout, on_progress)
     out.print(f"flushed in {res['seconds']:.2f}s: everything written before is in the under-storage")
     if res.get("unacknowledged"):

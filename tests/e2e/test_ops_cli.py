@@ -97,11 +97,12 @@ def test_flush_wait_progress_as_plain_lines(tmp_path):
             (n.mnt / f"f{i}").write_bytes(os.urandom(4 * MiB))
         p = subprocess.Popen([*ACACHE, "flush", "--wait", "--timeout", "60"], env=n.env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        lines = read_lines(p.stderr, 2, time.monotonic() + 60)
+        lines = read_lines(p.stdout, 2, time.monotonic() + 60)   # progress: stdout, plain
         rc = p.wait(60)
         out = p.stdout.read().decode()
         rest = p.stderr.read().decode()
         assert rc == 0, (out, rest)
+        assert rest == "", rest          # stderr is for a failure's one line
         for _, text in lines:
             assert ESC not in text and "\r" not in text and "persisting:" in text, repr(text)
         assert lines[1][0] - lines[0][0] >= 0.5, lines
