@@ -5,4 +5,5 @@ durability barrier.  Everything else is reached through the ``acache`` CLI.
 """
 from acache.api import file_state, flush
 
-__all__ = ["file_state", "flush"]
+__version__ = "0.1.0"
+__all__ = ["file_state", "flush", "__version__"]

@@ -68,7 +68,12 @@ def _run_foreground(s: config.Settings) -> None:
         raise AcacheError(f"starting the node failed: internal error ({type(e).__name__}: {e}) "
                           f"with the state in {s.cache_path}; please report it with the "
                           f"traceback in {s.log_path}") from None
-    server = ControlServer(node, str(s.socket_path))
+    try:
+        node.serve_metrics()
+        server = ControlServer(node, str(s.socket_path))
+    except BaseException:
+        node.shutdown(flush=False)
+        raise
 
     def on_signal(signum, frame):
         logging.getLogger("acache").info("signal %d: stopping (dirty data stays in the cache "
@@ -83,7 +88,14 @@ def _run_foreground(s: config.Settings) -> None:
         threading.Thread(target=stop, daemon=True).start()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"acache node ready (pid {os.getpid()}, socket {s.socket_path})", file=sys.stderr, flush=True)
+    print(f"acache node ready (pid {os.getpid()}, socket {s.socket_path}"
+          + (f", metrics http://{s.metrics}/metrics" if s.metrics else "") + ")",
+          file=sys.stderr, flush=True)
+    # systemd (Type=notify): the control socket listens now, so a client that connects from
+    # here on is served; serve() only starts the loop that accepts it
+    from acache.node.notify import notify
+    notify(f"STATUS=serving on {s.socket_path}")
+    notify("READY=1")
     server.serve()
 
 
@@ -126,10 +138,12 @@ def _check_timeout(timeout: float | None) -> None:
         raise ConfigError(f"--timeout {timeout:g}: expected a finite number of seconds >= 0")
 
 
-def _up_argv(cache_dir, ufs, config_file, cache_size, engine) -> list[str]:
+def _up_argv(cache_dir, ufs, config_file, cache_size, engine, metrics=None,
+             upload_limit=None) -> list[str]:
     argv = []
     for flag, value in (("--cache-dir", cache_dir), ("--ufs", ufs), ("--config", config_file),
-                        ("--cache-size", cache_size), ("--engine", engine)):
+                        ("--cache-size", cache_size), ("--engine", engine),
+                        ("--metrics", metrics), ("--upload-limit", upload_limit)):
         if value is not None:
             argv += [flag, str(value)]
     return argv
@@ -141,18 +155,26 @@ def up(cache_dir: Optional[Path] = typer.Option(None, help="Cache directory (loc
        config_file: Optional[Path] = ConfigOpt,
        cache_size: Optional[str] = typer.Option(None, help="Cache limit, e.g. 50GiB (default: half the disk)."),
        engine: Optional[str] = typer.Option(None, help="Mount engine: auto, native, pyfuse3."),
-       foreground: bool = typer.Option(False, "--foreground", help="Stay attached, log to the terminal."),
+       metrics: Optional[str] = typer.Option(None, help="Serve Prometheus metrics at HOST:PORT/metrics "
+                                             "(e.g. 127.0.0.1:9567; off by default)."),
+       upload_limit: Optional[str] = typer.Option(None, "--upload-limit",
+                                                  help="Cap on upload bandwidth: 200MiB/s, off, or a "
+                                                  "timetable \"08:00,100MiB/s 20:00,off\"."),
+       foreground: bool = typer.Option(False, "--foreground",
+                                       help="Stay attached, log to stderr (systemd: Type=notify)."),
        home: Optional[Path] = HomeOpt) -> None:
     """Start the node daemon (in the background unless --foreground)."""
-    s = _settings(home, config_file, cache_dir=cache_dir, ufs=ufs, cache_size=cache_size, engine=engine)
+    s = _settings(home, config_file, cache_dir=cache_dir, ufs=ufs, cache_size=cache_size, engine=engine,
+                  metrics=metrics, upload_limit=upload_limit)
     if foreground:
         _run_foreground(s)
         return
     if is_running(s.socket_path):
         out.print(f"acache node already running ({s.socket_path})")
         return
-    _start_background(s, _up_argv(cache_dir, ufs, config_file, cache_size, engine))
-    out.print(f"acache node up: cache {s.cache_path}, under-storage {s.ufs_url}, log {s.log_path}")
+    _start_background(s, _up_argv(cache_dir, ufs, config_file, cache_size, engine, metrics, upload_limit))
+    out.print(f"acache node up: cache {s.cache_path}, under-storage {s.ufs_url}, log {s.log_path}"
+              + (f", metrics http://{s.metrics}/metrics" if s.metrics else ""))
 
 
 @app.command()
@@ -188,7 +210,8 @@ def mount(path: Path = typer.Argument(..., help="Where to mount (an empty direct
     with Client(s.socket_path, timeout=120) as c:
         res = c.call("mount", path=str(path.absolute()), engine=engine or "")
     pt = ", kernel passthrough" if res.get("passthrough") else ""
-    out.print(f"mounted {res['mountpoint']} ({res['engine']} engine{pt})")
+    out.print(f"mounted {res['mountpoint']} ({res['engine']} engine{pt}: {res.get('why') or 'chosen'})",
+              soft_wrap=True)
 
 
 @app.command()
@@ -215,16 +238,26 @@ def flush(path: Optional[Path] = typer.Argument(None, help="Only what is under t
             c.call("status")   # the node persists on its own; --no-wait only checks it is up
             out.print("the node is persisting in the background")
             return
-        quiet = not err.is_terminal
+        # a log or a pipe: a plain line a second on stdout (stderr keeps only a failure's one
+        # line), no control codes
+        plain = not err.is_terminal
         with Progress(TextColumn("[bold]persisting"), BarColumn(), DownloadColumn(),
                       TextColumn("{task.fields[files]} files"), TransferSpeedColumn(),
-                      TimeRemainingColumn(), console=err, disable=quiet, transient=True) as prog:
+                      TimeRemainingColumn(), console=err, disable=plain, transient=True) as prog:
             task = prog.add_task("flush", total=None, files=0)
+            last = [time.monotonic()]
 
             def on_progress(info: dict) -> None:
                 total = max(info["total_bytes"], 1)
-                prog.update(task, total=total, completed=total - info["bytes_left"],
-                            files=info["files_left"] + info["open_files"])
+                files = info["files_left"] + info["open_files"]
+                if not plain:
+                    prog.update(task, total=total, completed=total - info["bytes_left"], files=files)
+                elif time.monotonic() - last[0] >= 1.0:
+                    last[0] = time.monotonic()
+                    done = max(0, info["total_bytes"] - info["bytes_left"])
+                    print(f"{time.strftime('%H:%M:%S')} persisting: {_human(done)} of "
+                          f"{_human(info['total_bytes'])} done, {files} files left, "
+                          f"{_human(info['rate'])}/s", flush=True)
             res = c.flush(p, timeout, on_progress)
     out.print(f"flushed in {res['seconds']:.2f}s: everything written before is in the under-storage")
     if res.get("unacknowledged"):
@@ -240,14 +273,43 @@ def flush(path: Optional[Path] = typer.Argument(None, help="Only what is under t
 @app.command()
 def status(path: Optional[Path] = typer.Argument(None, help="Show each file's state under PATH."),
            as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+           watch: bool = typer.Option(False, "--watch", "-w",
+                                      help="Redraw every second until Ctrl-C (exit 0); not a "
+                                      "terminal: one plain line a second."),
+           interval: float = typer.Option(1.0, help="Seconds between redraws with --watch."),
            home: Optional[Path] = HomeOpt) -> None:
     """The node (cache, dirty data, persist queue, errors), or each file's state under PATH."""
     s = _settings(home)
+    if watch:
+        if as_json or path is not None:
+            raise ConfigError("--watch shows the node: no PATH or --json with it")
+        if not math.isfinite(interval) or not 0.1 <= interval <= 3600:
+            raise ConfigError(f"--interval {interval:g}: expected seconds from 0.1 to 3600")
+        from acache.watch import watch_status
+        watch_status(s.socket_path, interval, out, node_table)
+        return
     with Client(s.socket_path) as c:
         st = c.call("status", path=str(path.absolute()) if path else None)
     if as_json:
         out.print_json(json.dumps(st))
         return
+    out.print(node_table(st))
+    if path is not None:
+        ft = Table(title=f"files under {path}")
+        ft.add_column("path")
+        ft.add_column("state")
+        ft.add_column("size", justify="right")
+        colors = {"dirty": "yellow", "persisting": "cyan", "persisted": "green", "failed": "red",
+                  "unacknowledged": "red"}
+        for f in st.get("files", []):
+            state = f"[{colors.get(f['state'], 'red')}]{f['state']}[/]"
+            if f.get("note"):
+                state += f" ({f['note']})"
+            ft.add_row(f["path"], state, _human(f["size"]))
+        out.print(ft)
+
+
+def node_table(st: dict) -> Table:
     t = Table(title="acache node", show_header=False)
     t.add_row("mount", f"{st['mountpoint'] or '-'} ({st['engine'] or 'no engine'}"
               f"{', passthrough' if st['passthrough'] else ''})")
@@ -262,6 +324,11 @@ def status(path: Optional[Path] = typer.Argument(None, help="Show each file's st
     t.add_row("persist queue", f"{st['queue']} entries, {_human(st['queue_bytes'])}, {st['in_flight']} in flight")
     t.add_row("rate", f"{_human(st['rate'])}/s; persisted {st['persisted_files']} files, "
               f"{_human(st['persisted_bytes'])} since start")
+    setting = st.get("upload_limit_setting", "off")
+    t.add_row("upload limit", st.get("upload_limit", "off")
+              + (f" (timetable {setting})" if " " in setting.strip() else ""))
+    if st.get("metrics"):
+        t.add_row("metrics", f"http://{st['metrics']}/metrics")
     t.add_row("last error", f"[red]{st['last_error']}[/]" if st["last_error"] else "-")
     for f in st.get("failed_entries", []):
         what = f"{f['path']} -> {f['dst']}" if f["dst"] else f["path"]
@@ -271,20 +338,23 @@ def status(path: Optional[Path] = typer.Argument(None, help="Show each file's st
         t.add_row("lost+found", f"[red]{st['lost_found_files']} files, "
                   f"{_human(st['lost_found_bytes'])} in {st['lost_found_dir']}[/] (cache files "
                   "the metadata did not know at start: data of files the mount does not show)")
-    out.print(t)
-    if path is not None:
-        ft = Table(title=f"files under {path}")
-        ft.add_column("path")
-        ft.add_column("state")
-        ft.add_column("size", justify="right")
-        colors = {"dirty": "yellow", "persisting": "cyan", "persisted": "green", "failed": "red",
-                  "unacknowledged": "red"}
-        for f in st.get("files", []):
-            state = f"[{colors.get(f['state'], 'red')}]{f['state']}[/]"
-            if f.get("note"):
-                state += f" ({f['note']})"
-            ft.add_row(f["path"], state, _human(f["size"]))
-        out.print(ft)
+    return t
+
+
+# -- mount(8) helper --------------------------------------------------------------------------
+@app.command("install-helper")
+def install_helper(directory: Path = typer.Option(Path("/sbin"), "--dir",
+                                                  help="Where mount(8) looks for helpers.")) -> None:
+    """Install mount.fuse.acache, so that /etc/fstab can hold `acache /ckpt fuse.acache ...`."""
+    from acache.mount_helper import script_text
+    if not directory.is_dir():
+        raise ConfigError(f"--dir {directory}: not a directory")
+    target = directory / "mount.fuse.acache"
+    tmp = directory / ".mount.fuse.acache.tmp"
+    tmp.write_text(script_text())
+    tmp.chmod(0o755)
+    os.replace(tmp, target)
+    out.print(f"installed {target} (fstab: acache /ckpt fuse.acache defaults,_netdev 0 0)")
 
 
 # -- journal --------------------------------------------------------------------------------

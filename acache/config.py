@@ -14,6 +14,8 @@
     listen      = host:port the peer server binds (none: no peer server); advertise = host:port
                   peers dial (default: listen); secret_file = the cluster secret (mode 600),
                   required unless listen and advertise are loopback (acache.net.auth)
+    upload_limit = "off" | "200MiB/s" | "08:00,100MiB/s 20:00,off" (acache.data.limit)
+    metrics     = "" (off) | "127.0.0.1:9567": Prometheus text at http://HOST:PORT/metrics
     [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
          multipart_threshold, concurrency, content_md5, verify_tls, connect_timeout,
          read_timeout
@@ -96,6 +98,8 @@ class Settings:
     listen: str | None = None
     advertise: str | None = None
     secret_file: Path | None = None
+    upload_limit: str = "off"
+    metrics: str = ""
     s3: dict = field(default_factory=dict)
     # key -> where its value came from ("config file X, line N", "environment ACACHE_X", "--x")
     sources: dict = field(default_factory=dict, compare=False, repr=False)
@@ -262,6 +266,31 @@ def _secret_file(value: object) -> Path:
     except AuthError as e:
         raise _Bad(str(e).split(": ", 1)[-1]) from None
     return p
+def _upload_limit(value: object) -> str:
+    from acache.data.limit import LimitError, parse
+    try:
+        return parse(value).text
+    except LimitError as e:
+        raise _Bad(str(e)) from None
+
+
+def _metrics(value: object) -> str:
+    """'' / 'off' (no metrics), 'PORT', ':PORT', 'HOST:PORT' or '[v6]:PORT' -> 'host:port'."""
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise _Bad("expected HOST:PORT (e.g. 127.0.0.1:9567), or off")
+    v = str(value).strip()
+    if v.lower() in ("", "off", "none", "false", "0"):
+        return ""
+    m = re.fullmatch(r"(?:(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]*):)?(\d{1,5})", v)
+    if not m or not 1 <= int(m.group(2)) <= 65535:
+        raise _Bad("expected HOST:PORT with a port from 1 to 65535 (e.g. 127.0.0.1:9567), or off")
+    host = (m.group(1) or "127.0.0.1").strip("[]")
+    return f"[{host}]:{m.group(2)}" if ":" in host else f"{host}:{m.group(2)}"
+
+
+def split_hostport(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 _CASTS = {
@@ -272,6 +301,7 @@ _CASTS = {
     "chunk_size": _chunk,
     "meta_reserve": _size,
     "listen": _address, "advertise": lambda v: _address(v, dial=True), "secret_file": _secret_file,
+    "upload_limit": _upload_limit, "metrics": _metrics,
 }
 
 

@@ -7,6 +7,7 @@ under-storage.
     scripts/demo --ufs s3://bucket/prefix # ... to S3 (credentials: AWS_* / ACACHE_S3_* env)
     scripts/demo --local-s3               # ... to a local S3-protocol server (moto; test extra)
     scripts/demo --home ~/.local/state/acache   # use a running node and its mount instead
+    scripts/demo --plot stall.png         # ... and draw the table (the plot extra: matplotlib)
 
 Each run trains the same tiny model (a large embedding table, so its state with
 Adam is a few hundred MB) twice from the same seed: once saving every few steps
@@ -196,7 +197,40 @@ def build(state_mb: int, seed: int = 0):
     return model, opts, data, classes
 
 
-def train(target, state_mb: int, steps: int, every: int, keep: int) -> tuple[list, float]:
+class Sampler:
+    """The node's dirty and persisted bytes every 0.2 s, in a thread (for --plot)."""
+
+    def __init__(self, node: "Node") -> None:
+        import threading
+        self.node, self.t0 = node, time.perf_counter()
+        self.samples: list[tuple[float, int, int, int]] = []
+        self.marks: list[tuple[float, int]] = []       # (s, step) when a save started
+        self._stop = threading.Event()
+        st = node.status()
+        self._base, self._sent = st["persisted_bytes"], st["uploaded_bytes"]
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            st = self.node.status()
+            self.samples.append((time.perf_counter() - self.t0, st["dirty_bytes"],
+                                 st["persisted_bytes"] - self._base, st["uploaded_bytes"] - self._sent))
+            self._stop.wait(0.2)
+
+    def mark(self, step: int) -> None:
+        self.marks.append((time.perf_counter() - self.t0, step))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        st = self.node.status()
+        self.samples.append((time.perf_counter() - self.t0, st["dirty_bytes"],
+                             st["persisted_bytes"] - self._base, st["uploaded_bytes"] - self._sent))
+
+
+def train(target, state_mb: int, steps: int, every: int, keep: int,
+          on_save=None) -> tuple[list, float]:
     """Run the loop, saving to ``target``; [(step, bytes, blocked s, loss)], loop seconds."""
     import torch
     model, opts, data, classes = build(state_mb)
@@ -214,6 +248,8 @@ def train(target, state_mb: int, steps: int, every: int, keep: int) -> tuple[lis
             ckpt = {"model": model.state_dict(), "step": step,
                     "optimizer": {k: o.state_dict() for k, o in opts.items()}}
             name = f"step-{step:06d}.pt"
+            if on_save is not None:
+                on_save(step)
             t0 = time.perf_counter()
             n = target.write(name, lambda f: torch.save(ckpt, f))
             target.write("latest", lambda f: f.write(name.encode()))
@@ -279,7 +315,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--save-every", type=int, default=4)
     ap.add_argument("--keep", type=int, default=2, help="checkpoints kept (older ones deleted)")
+    ap.add_argument("--plot", type=Path, metavar="FILE.png",
+                    help="also draw the table and the persist progress (needs matplotlib)")
     a = ap.parse_args(argv)
+    if a.plot is not None:
+        from acache.plot import PlotError, require
+        try:
+            require()
+        except PlotError as e:
+            raise SystemExit(f"demo: {e}") from None
+        if not a.plot.parent.is_dir():
+            raise SystemExit(f"demo: --plot {a.plot}: no directory {a.plot.parent}")
     if a.ufs and "://" not in a.ufs:
         a.ufs = f"file://{os.path.abspath(a.ufs)}"
     if a.home and (a.ufs or a.local_s3 or a.engine):
@@ -332,8 +378,13 @@ def main(argv: list[str] | None = None) -> int:
         mine = ViaMount(node.mnt / tag)
 
         out.print("training, saving through the acache mount ...")
-        via, loop_a = train(mine, a.state_mb, a.steps, a.save_every, a.keep)
+        sampler = Sampler(node) if a.plot is not None else None
+        via, loop_a = train(mine, a.state_mb, a.steps, a.save_every, a.keep,
+                            sampler.mark if sampler else None)
+        flush_at = time.perf_counter() - sampler.t0 if sampler is not None else None
         flush_s = node.flush(node.mnt / tag)
+        if sampler is not None:
+            sampler.stop()           # and one last sample: after the barrier
         last = f"step-{via[-1][0]:06d}.pt"
         verified = ""
         if ufs_dir is not None:
@@ -344,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         same_disk = ufs_dir is not None and \
             os.stat(ufs_dir).st_dev == os.stat(st["cache_dir"]).st_dev
         report(via, straight, loop_a, loop_d, label, flush_s, verified, st, same_disk)
+        if sampler is not None:
+            from acache.plot import demo_figure
+            demo_figure(a.plot, via, straight, sampler.samples, sampler.marks, label,
+                        f"acache demo: {a.state_mb} MiB checkpoint every {a.save_every} steps, "
+                        f"{st['engine']} engine, under-storage {ufs}", flush_at)
+            out.print(f"plot: {a.plot}")
         return 0
     finally:
         if node is not None and node.mnt is not None:

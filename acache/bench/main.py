@@ -72,12 +72,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workdir", type=Path, default=None,
                     help="scratch directory on the cache filesystem (default: a new one in $TMPDIR)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                    help="also draw each case's table as DIR/caseN.png (needs matplotlib)")
     ap.add_argument("--no-s3", action="store_true", help="no S3 server: acache over file:// only")
     ap.add_argument("--mount-timeout", type=float, default=60.0,
                     help="seconds to wait for `acache mount` before skipping that engine")
     ap.add_argument("--op-timeout", type=float, default=None,
                     help="seconds before one save/flush is given up (default: scaled to --size)")
     a = ap.parse_args(argv)
+    if a.plot is not None:
+        from acache.plot import PlotError, require
+        try:
+            require()
+        except PlotError as e:
+            ap.exit(2, f"scripts/bench: {e}\n")
     if a.repeat < 1:
         ap.error("--repeat must be >= 1")
     if a.meta_files < 1:
@@ -167,6 +175,10 @@ def run(a: argparse.Namespace, console: Console) -> int:
     report.print_report(console, rows, bench.notes)
     report.write_json(a.json, meta, bench.ms, rows, bench.notes, complete)
     console.print(f"results: {a.json}")
+    if a.plot is not None and rows:
+        from acache.plot import bench_figures
+        for path in bench_figures(a.plot, rows, report.CASES, report.label):
+            console.print(f"plot: {path}")
     return rc
 
 

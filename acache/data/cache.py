@@ -71,7 +71,11 @@ class CacheDir:
         self.lru: OrderedDict[int, int] = OrderedDict()    # clean ino -> gen, oldest first
         self.evict_hook = None                             # (ino, gen) -> bool: evict if still clean
         self.on_stall = None                               # () -> None: writers wait, persist now
-        self.stalls = 0
+        self.stalls = 0                                    # writers that waited for room
+        self.stall_seconds = 0.0                           # ... how long, all together
+        self.enospc = 0                                    # ... and gave up (stall_timeout)
+        self.evictions = 0                                 # clean files evicted
+        self.evicted_bytes = 0
         self._reflink: bool | None = None
         self.reserve = reserve                              # acache.meta.reserve.Reserve | None
         self._writing: dict[tuple[int, int], int] = {}      # (ino, gen) -> write opens
@@ -316,8 +320,25 @@ class CacheDir:
     def dirty_bytes(self) -> int:
         return sum(self._sizes.get(k, 0) for k in list(self.dirty))
 
+    def dirty_stats(self) -> tuple[int, int]:
+        """(bytes, files) not yet persisted, counted together (metrics)."""
+        with self._lock:
+            return sum(self._sizes.get(k, 0) for k in self.dirty), len(self.dirty)
+
     def wait_for_room(self, need: int = 0) -> None:
         """Backpressure: evict clean data; if dirty data fills the cache, wait."""
+        if self.used() + need <= self.effective_limit():
+            return                          # the common case: room enough
+        started: list[float] = []          # set when this writer starts waiting
+        try:
+            self._wait_for_room(need, started)
+        finally:
+            if started:
+                waited = time.monotonic() - started[0]
+                with self._lock:
+                    self.stall_seconds += waited
+
+    def _wait_for_room(self, need: int, started: list[float]) -> None:
         deadline = None
         while self.used() + need > (limit := self.effective_limit()):
             if self._evict_one():
@@ -325,7 +346,8 @@ class CacheDir:
             if self.dirty_bytes() + need <= limit:
                 return   # only dirty + open files: over the soft limit but nothing to wait for
             if deadline is None:
-                deadline = time.monotonic() + self.stall_timeout
+                started.append(time.monotonic())
+                deadline = started[0] + self.stall_timeout
                 self.stalls += 1
                 log.warning("cache full of dirty data (%d of %d bytes): writers wait for persisting",
                             self.dirty_bytes(), limit)
@@ -335,6 +357,7 @@ class CacheDir:
             if left <= 0:
                 log.error("ENOSPC: dirty data stayed above the cache limit (%d bytes) for %.0f s "
                           "(stall_timeout); is the under-storage reachable?", limit, self.stall_timeout)
+                self.enospc += 1
                 raise FsError(errno.ENOSPC)
             with self._lock:
                 self.space.wait(min(left, 0.5))
@@ -344,7 +367,10 @@ class CacheDir:
             if not self.lru:
                 return False
             ino, gen = self.lru.popitem(last=False)
+            size = self._sizes.get((ino, gen), 0)
         if self.evict_hook is not None and self.evict_hook(ino, gen):
+            self.evictions += 1
+            self.evicted_bytes += size
             return True
         return bool(self.lru)
 

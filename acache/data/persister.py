@@ -72,6 +72,7 @@ class Persister:
         self.last_error = ""
         self.bytes_done = 0
         self.files_done = 0
+        self.errors = {"transient": 0, "permanent": 0}   # failed attempts by kind (metrics)
         self._rate: deque = deque(maxlen=4096)  # (time, bytes_done) after each commit
         self._stop = False
         self._sleep_until: float | None = None  # the loop waits for work until then
@@ -150,6 +151,20 @@ class Persister:
     def in_flight(self) -> list[Job]:
         with self.lock:
             return list(self.jobs.values())
+
+    def queue_stats(self) -> dict:
+        """The persist queue now (metrics, status --watch): cheap, one pass over the jobs;
+        the journal's length and bytes are kept by the MetaStore."""
+        with self.lock:
+            jobs = [j for j in self.jobs.values() if j.entry.op == "put"]
+            head = self.meta.head(1)
+            return {"persisting_files": len(jobs),
+                    "persisting_bytes": sum(j.entry.size for j in jobs),
+                    "persisting_sent_bytes": sum(j.sent for j in jobs),
+                    "oldest_age": max(0.0, self.clock() - head[0].t) if head else 0.0,
+                    "persisted_bytes": self.bytes_done, "persisted_files": self.files_done,
+                    "errors": dict(self.errors), "failed": len(self.failed),
+                    "retrying": len(self._retry_at)}
 
     # -- the loop ----------------------------------------------------------------------
     def _eligible_at(self, e: Entry) -> float:
@@ -585,6 +600,7 @@ class Persister:
             self._attempts[e.seq] = n
             job = self.jobs.pop(e.seq, None)
             staged = job.staged if job is not None else None
+            self.errors["transient" if err.retryable else "permanent"] += 1
             if err.retryable:
                 delay = min(30.0, 0.2 * 2 ** min(n, 10)) * (0.5 + random.random() / 2)
                 log.warning("persisting %s %s failed (try %d, again in %.1fs): %s",

@@ -39,6 +39,8 @@ class ReadThrough:
         self._lock = threading.Lock()
         self.requests = 0          # under-storage reads made (status: ufs_reads)
         self.bytes_read = 0
+        self.hits = 0              # chunks a read needed that were in the cache already
+        self.misses = 0            # ... that had to be fetched (or were being fetched)
 
     def forget(self, ino: int, gen: int) -> None:
         with self._lock:
@@ -58,6 +60,10 @@ class ReadThrough:
             if readahead:
                 wanted += [c for c in range(last + 1, min(last + 1 + READAHEAD, fill.nchunks))]
             waits = [self._start(fill, ino, gen, fd, upath, size, c) for c in wanted]
+            missed = sum(1 for c, ev in zip(wanted, waits) if c <= last and ev is not None)
+            with self._lock:
+                self.misses += missed
+                self.hits += last + 1 - first - missed
             for c, ev in zip(wanted, waits):
                 if c > last:
                     break

@@ -7,15 +7,19 @@ else is logged and answered EIO (any other exception would tear the mount down).
 from __future__ import annotations
 
 import errno
+import functools
 import logging
+import os
 import subprocess
 import threading
+import time
 
 import pyfuse3
 import trio
 
 from acache.errors import FsError
 from acache.fs import pyfuse3_loop
+from acache.fs.opstats import OpStats
 from acache.fs.types import STATE_XATTR, Attr, Ctx
 
 log = logging.getLogger("acache.fs.pyfuse3")
@@ -54,6 +58,9 @@ class Ops(pyfuse3.Operations):
         super().__init__()
         self.vfs = vfs
         self.limiter = trio.CapacityLimiter(32)
+        # requests by kind with their latency: every handler runs on the one trio thread
+        self.stats = OpStats(dict(enumerate(TIMED_OPS)))
+        self._record = self.stats.shard().record
 
     async def _call(self, fn, *args, **kw):
         try:
@@ -231,6 +238,29 @@ class Ops(pyfuse3.Operations):
         return True
 
 
+TIMED_OPS = ("lookup", "forget", "getattr", "setattr", "mkdir", "mknod", "create", "open", "read",
+             "write", "flush", "release", "fsync", "unlink", "rmdir", "rename", "link", "symlink",
+             "readlink", "opendir", "readdir", "releasedir", "fsyncdir", "statfs", "getxattr",
+             "listxattr", "setxattr", "removexattr", "access")
+
+
+def _timed(op: int, fn):
+    clock = time.perf_counter_ns
+
+    @functools.wraps(fn)
+    async def handler(self, *args, **kw):
+        t0 = clock()
+        try:
+            return await fn(self, *args, **kw)
+        finally:
+            self._record(op, clock() - t0)
+    return handler
+
+
+for _i, _name in enumerate(TIMED_OPS):
+    setattr(Ops, _name, _timed(_i, getattr(Ops, _name)))
+
+
 def force_unmount(mountpoint: str) -> bool:
     """Detach ``mountpoint`` lazily: an argument list, never a shell (a path may hold
     quotes, spaces or ``$(...)``).  False when neither umount nor fusermount3 did it."""
@@ -257,12 +287,25 @@ class Pyfuse3Engine:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self.ops: Ops | None = None
 
     def start(self) -> None:
+        if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+            # libfuse opens it itself before it would try fusermount3
+            from acache.errors import ConfigError
+            raise ConfigError(f"/dev/fuse is not readable and writable by uid {os.geteuid()} "
+                              "(most distributions make it 0666; here: "
+                              f"{oct(os.stat('/dev/fuse').st_mode & 0o777) if os.path.exists('/dev/fuse') else 'missing'})"
+                              "; run as root, or `chmod 0666 /dev/fuse`")
         opts = set(pyfuse3.default_options)
         opts.discard("default_permissions")
-        opts |= {f"fsname={self.fsname}", "subtype=acache", "allow_other", "default_permissions"}
-        pyfuse3_loop.init(Ops(self.vfs), self.mountpoint, opts)
+        opts |= {f"fsname={self.fsname}", "subtype=acache", "default_permissions"}
+        if os.geteuid() == 0 or _user_allow_other():
+            # other users see the mount (root's node serves every user's job); fusermount3
+            # refuses the option to a normal user unless /etc/fuse.conf says user_allow_other
+            opts.add("allow_other")
+        self.ops = Ops(self.vfs)
+        pyfuse3_loop.init(self.ops, self.mountpoint, opts)
         self._thread = threading.Thread(target=self._run, name="acache-pyfuse3", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -300,3 +343,18 @@ class Pyfuse3Engine:
 
     def wait(self) -> None:
         self._done.wait()
+
+    def op_stats(self) -> OpStats | None:
+        return self.ops.stats if self.ops is not None else None
+
+    def op_counts(self) -> dict[str, int]:
+        stats = self.op_stats()
+        return {name: sum(c) for name, (c, _) in stats.snapshot().items()} if stats else {}
+
+
+def _user_allow_other() -> bool:
+    try:
+        with open("/etc/fuse.conf") as f:
+            return any(line.split("#")[0].strip() == "user_allow_other" for line in f)
+    except OSError:
+        return False

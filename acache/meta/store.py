@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import stat as st
 import threading
 import time
@@ -318,8 +319,10 @@ class MetaStore:
             self._index(e)
         if ROOT_INO not in self._inodes:
             now = time.time_ns()
+            # the node's user owns the root: root's node as before, a normal user's node
+            # (pyfuse3 through fusermount3) lets its user write there
             root = Inode(ROOT_INO, st.S_IFDIR | 0o755, nlink=2, atime_ns=now, mtime_ns=now,
-                         ctime_ns=now, upath="", cached=True)
+                         ctime_ns=now, upath="", cached=True, uid=os.geteuid(), gid=os.getegid())
             self._inodes[ROOT_INO] = root
             kv.write({K.inode_key(ROOT_INO): root.pack(),
                       K.counter_key("next_ino"): K.u64(ROOT_INO)}, sync=True)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from acache.config import Settings, check_layout
+from acache.data import limit
 from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under import open_store
@@ -48,6 +49,9 @@ class Node:
         _check_writable(settings.home, "state directory")
         _check_writable(settings.cache_path, "cache directory")
         self.under = open_store(settings.ufs_url, dict(settings.s3))
+        # every upload of the node goes through this one bucket (rate None: no limit)
+        self.limiter = limit.TokenBucket(limit.parse(settings.upload_limit))
+        self.under.set_limiter(self.limiter.take)
         try:
             self.under.check()
         except UnderStoreError as e:
@@ -85,8 +89,15 @@ class Node:
         self.engine_why = ""
         self.mountpoint: str | None = None
         self.stopping = threading.Event()
+        self.metrics = None          # acache.node.metrics.MetricsServer, started by serve_metrics()
         log.info("node up: cache %s (limit %d bytes), under-storage %s, %d journal entries pending",
                  settings.cache_path, self.cache.limit, settings.ufs_url, self.meta.journal_len())
+
+    def serve_metrics(self) -> None:
+        """Start the /metrics endpoint if ``metrics`` is set (ConfigError if it cannot listen)."""
+        if self.settings.metrics:
+            from acache.node.metrics import MetricsServer
+            self.metrics = MetricsServer(self, self.settings.metrics, self.settings.source("metrics"))
 
     # -- the mount ----------------------------------------------------------------------
     def _choose_engine(self, want: str):
@@ -157,6 +168,11 @@ class Node:
                  ", kernel passthrough on" if eng.passthrough_active else "")
         threading.Thread(target=self._watch_mount, args=(eng,), daemon=True).start()
         return {"mountpoint": path, "engine": name, "why": why, "passthrough": eng.passthrough_active}
+
+    def op_stats(self):
+        """FUSE requests by kind with latencies (acache.fs.opstats), of the current mount."""
+        eng = self.engine
+        return eng.op_stats() if eng is not None and hasattr(eng, "op_stats") else None
 
     def _watch_mount(self, eng) -> None:
         eng.wait()
@@ -289,11 +305,18 @@ class Node:
                     for s, msg in sorted(p.failed.items())[:10]
                     if (e := meta.entry(s)) is not None],
                 "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
+                "upload_limit": limit.describe(self.limiter.rate()),
+                "upload_limit_setting": self.limiter.schedule.text,
+                "uploaded_bytes": self.limiter.taken, "metrics": self.settings.metrics,
+                "time": time.time(),
                 "fuse_requests": getattr(self.engine, "op_counts", dict)(),   # native: by opcode
             }
         # cache files the metadata did not know at start (listed outside the lock)
         out["lost_found_files"], out["lost_found_bytes"] = c.lost_found()
         out["lost_found_dir"] = c.lost_dir
+        q = p.queue_stats()
+        out.update(persisting_files=q["persisting_files"], persisting_bytes=q["persisting_bytes"],
+                   oldest_age=q["oldest_age"], upload_errors=q["errors"])
         with meta.lock:
             if path is not None:
                 rel = self.rel(path)
@@ -326,6 +349,8 @@ class Node:
         """Stop.  Each step runs even if one before failed (a metadata store that fails its
         writes must not keep the node up): what was acknowledged is in the KV already and
         replays at the next start."""
+        from acache.node.notify import notify
+        notify("STOPPING=1")
         out = {"flushed": False, "left_dirty": 0}
         if flush:
             self.flush(None, timeout)
@@ -335,7 +360,9 @@ class Node:
         for what, step in (("unmounting", lambda: self.engine is not None and self.umount()),
                            ("stopping the persister", self.persister.stop),
                            ("closing the metadata", self.meta.close),
-                           ("closing the under-storage", self.under.close)):
+                           ("closing the under-storage", self.under.close),
+                           ("stopping the metrics endpoint",
+                            lambda: self.metrics is not None and self.metrics.close())):
             try:
                 step()
             except Exception as e:

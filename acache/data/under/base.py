@@ -149,4 +149,9 @@ class UnderStore(Protocol):
     def rmdir(self, path: str) -> None:
         """Remove an empty directory (missing is fine)."""
 
+    def set_limiter(self, take: Callable[[int], None] | None) -> None:
+        """Call ``take(n)`` before sending each piece of ``n`` bytes of an upload (a part,
+        a PutObject, a chunk of a copy): the node's bandwidth limit (acache.data.limit),
+        shared by every upload.  None: no limit."""
+
     def close(self) -> None: ...

@@ -191,11 +191,16 @@ def _warn_chown(what: str) -> None:
 
 
 def copy_range(src_fd: int, dst_fd: int, size: int,
-               progress: Callable[[int], None] | None = None) -> None:
-    """Copy ``size`` bytes from offset 0 of src to offset 0 of dst, in kernel when possible."""
-    off, method = 0, "copy_file_range"
+               progress: Callable[[int], None] | None = None,
+               take: Callable[[int], None] | None = None) -> None:
+    """Copy ``size`` bytes from offset 0 of src to offset 0 of dst, in kernel when possible;
+    ``take(n)`` before each chunk of ``n`` bytes (the bandwidth limit)."""
+    off, method, paid = 0, "copy_file_range", 0
     while off < size:
         n = min(CHUNK, size - off)
+        if take is not None and paid < off + n:
+            take(off + n - paid)
+            paid = off + n
         try:
             if method == "copy_file_range":
                 done = os.copy_file_range(src_fd, dst_fd, n, off, off)
@@ -237,6 +242,7 @@ class FileStore:
             raise ConfigError(f"bad file:// URL {url!r}: expected file:///absolute/dir")
         self.url = url
         self.root = os.path.normpath(unquote(parts.path))
+        self._take: Callable[[int], None] | None = None
         try:  # best effort; check() reports why it failed
             os.makedirs(self.root, exist_ok=True)
         except OSError:
@@ -447,7 +453,7 @@ class FileStore:
                     dst = os.open(tname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
                                   | os.O_CLOEXEC, 0o600, dir_fd=dfd)
                     try:
-                        copy_range(src, dst, size, progress)
+                        copy_range(src, dst, size, progress, self._take)
                         if attrs is None or not attrs.mode:
                             os.fchmod(dst, 0o644)
                         _set_fd_attrs(dst, attrs, path)
@@ -614,6 +620,9 @@ class FileStore:
                     os.close(fd)
                 os.rmdir(name, dir_fd=dfd)
             os.fsync(dfd)
+
+    def set_limiter(self, take: Callable[[int], None] | None) -> None:
+        self._take = take
 
     def close(self) -> None:
         pass

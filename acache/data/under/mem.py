@@ -107,6 +107,7 @@ class MemStore:
         if not url.startswith("mem://"):
             raise ConfigError(f"bad mem:// URL {url!r}: expected mem://name")
         self.url = url
+        self._take: Callable[[int], None] | None = None
         self.state = state if state is not None else MemState()
         self.delay = delay
         self.bandwidth = bandwidth
@@ -218,6 +219,9 @@ class MemStore:
             raise TransientError(f"mem:// stage {path!r}: cannot read {src_path}: {e}") from e
         if len(data) < size:
             raise PermanentError(f"source file ended at {len(data)} bytes, expected {size}")
+        if self._take is not None:
+            for off in range(0, size, CHUNK):
+                self._take(min(CHUNK, size - off))
         if self.bandwidth:
             time.sleep(size / self.bandwidth)
         if progress is not None:
@@ -326,6 +330,9 @@ class MemStore:
                 raise PermanentError(f"mem:// rmdir {path!r}: directory not empty")
             st.dirs.pop(path, None)
             st.drop_meta(path)
+
+    def set_limiter(self, take: Callable[[int], None] | None) -> None:
+        self._take = take
 
     def close(self) -> None:
         pass

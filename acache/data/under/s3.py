@@ -349,6 +349,7 @@ class S3Store:
         # sets this False: another node's live upload may be on the same key, so only
         # recorded ids are aborted (an unrecorded one is left to a lifecycle rule).
         self.exclusive = True
+        self._take: Callable[[int], None] | None = None    # the bandwidth limit
 
     # -- helpers -------------------------------------------------------------
     def _key(self, path: str) -> str:
@@ -567,6 +568,8 @@ class S3Store:
             raise os_error(e, f"s3 stage {key}: reading the source") from e
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         md5_hex, md5_b64 = _md5(data) if self.content_md5 else (None, None)
+        if self._take is not None:
+            self._take(length)
         with self._errors(f"upload part {number} of", key):
             etag = self.wire.upload_part(key, upload_id, number, data, md5_b64)
         if md5_hex is not None and etag.lower() != md5_hex:
@@ -732,6 +735,9 @@ class S3Store:
                 raise PermanentError(f"s3 rmdir s3://{self.bucket}/{dk}: directory not empty")
             self.client.remove_object(self.bucket, dk)
 
+    def set_limiter(self, take: Callable[[int], None] | None) -> None:
+        self._take = take
+
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
@@ -797,6 +803,8 @@ class S3Staged:
                     raise PermanentError(f"commit of s3://{s.bucket}/{self.key} after abort")
                 # (changed since stage(): the server rejects the Content-MD5, BadDigest)
                 data = _read_source(self._src, self.size, f"s3 commit {self.key}", commit=True)
+                if s._take is not None:
+                    s._take(len(data))
                 etag, want = s.wire.put(self.key, data, self._md5, self._meta), self._md5_hex
             else:
                 want = self._multipart_etag()   # from the parts' ETags

@@ -144,6 +144,10 @@ class NativeEngine:
 
     # --- introspection ---------------------------------------------------------------------
 
+    def op_stats(self):
+        """The session's OpStats (FUSE requests by kind, with latencies), or None."""
+        return self._session.stats if self._session else None
+
     def op_counts(self) -> dict[str, int]:
         """FUSE requests received so far, by opcode name."""
         return self._session.op_counts() if self._session else {}

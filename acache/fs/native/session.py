@@ -20,10 +20,12 @@ import os
 import queue
 import select
 import threading
+import time
 from typing import Callable
 
 from acache.errors import FsError
 from acache.fs.native import proto
+from acache.fs.opstats import OpStats
 from acache.fs.types import Ctx
 
 log = logging.getLogger("acache.fs.native")
@@ -121,6 +123,8 @@ class Session:
         self._early: dict[int, int] = {}    # target -> INTERRUPT unique, target not seen yet
         self._lock = threading.Lock()
         self._counts: list[list[int]] = []
+        # requests by kind with their latency (acache.node.metrics reads it at scrape time)
+        self.stats = OpStats({op: name.lower() for op, name in proto.OPCODE_NAMES.items()})
         self._notices: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._notifier: threading.Thread | None = None
         # told of a handler's unexpected failure (the VFS undoes a half-made metadata change)
@@ -210,6 +214,8 @@ class Session:
         buf = bytearray(self.bufsize)
         mv = memoryview(buf)
         hdr = proto.IN_HEADER
+        record = self.stats.shard().record
+        clock = time.perf_counter_ns
         while not self.ended.is_set():
             try:
                 n = os.readv(self.devfd, [buf])
@@ -226,11 +232,14 @@ class Session:
             if opcode < 64:
                 counts[opcode] += 1
             req = Request(unique, opcode, nodeid, uid, gid, pid, mv[hdr.size:min(n, length)])
+            t0 = clock()
             try:
                 self._dispatch(req)
             except Exception:               # never let a reader die
                 log.exception("FUSE %s: unexpected failure in dispatch",
                               proto.OPCODE_NAMES.get(opcode, opcode))
+            if opcode < 64:
+                record(opcode, clock() - t0)
             if opcode == proto.DESTROY:
                 self.ended.set()
 

@@ -1,0 +1,165 @@
+"""Prometheus metrics of the node: ``metrics = "127.0.0.1:9567"`` serves /metrics.
+
+One custom collector reads the node's current state at scrape time (nothing is counted
+on the hot path for it, except the FUSE request histogram, acache.fs.opstats, and a few
+integer increments where something happens rarely: an eviction, an upload error, a stall).
+
+Every metric of this node is unlabelled or labelled by what it counts (``kind``, ``op``);
+Prometheus adds ``instance``.  Names reserved for the cluster (not emitted yet, so that
+they can be added without renaming anything here):
+
+    acache_peer_sent_bytes_total{peer,transport}      bytes sent to a peer (tcp | rdma)
+    acache_peer_received_bytes_total{peer,transport}
+    acache_peer_up{peer,transport}                    1 while the peer answers
+    acache_cluster_nodes{state}                       nodes alive / down, as this node sees them
+    acache_cluster_persist_blocked{node}              1 for the node whose data holds back the
+                                                      ordered persistence of the others
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Iterator
+
+from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+from prometheus_client.exposition import start_http_server
+
+from acache import __version__
+from acache.config import split_hostport
+from acache.errors import ConfigError
+from acache.fs.opstats import BOUNDS
+
+log = logging.getLogger("acache.metrics")
+
+# name, type, help: the list the README shows
+METRICS = [
+    ("acache_node_info", "gauge", "1, labelled with the node's version, engine and under-storage"),
+    ("acache_dirty_bytes", "gauge", "bytes in the cache not yet in the under-storage"),
+    ("acache_dirty_files", "gauge", "cache files not yet in the under-storage"),
+    ("acache_persisting_bytes", "gauge", "bytes of the files being uploaded now"),
+    ("acache_persisting_files", "gauge", "files being uploaded now"),
+    ("acache_persisted_bytes_total", "counter", "bytes of files committed to the under-storage"),
+    ("acache_persisted_files_total", "counter", "files committed to the under-storage"),
+    ("acache_persist_queue_entries", "gauge", "journal entries not yet applied"),
+    ("acache_persist_queue_bytes", "gauge", "bytes of the files in the persist queue"),
+    ("acache_persist_queue_oldest_age_seconds", "gauge", "age of the oldest pending entry"),
+    ("acache_persist_failed_entries", "gauge", "entries failing permanently (retried slowly)"),
+    ("acache_upload_bytes_total", "counter", "bytes sent to the under-storage (parts, puts, copies)"),
+    ("acache_upload_rate_bytes_per_second", "gauge", "persisted bytes per second, last 10 s"),
+    ("acache_upload_errors_total", "counter", "failed upload attempts by kind (transient, permanent)"),
+    ("acache_upload_limit_bytes_per_second", "gauge", "upload_limit in force (0: no limit)"),
+    ("acache_upload_throttled_seconds_total", "counter", "time uploads waited for the upload_limit"),
+    ("acache_writer_stalls_total", "counter", "writes that waited for room (dirty data filled the cache)"),
+    ("acache_writer_stall_seconds_total", "counter", "time writers waited for room (backpressure)"),
+    ("acache_enospc_total", "counter", "writes answered ENOSPC after stall_timeout"),
+    ("acache_cache_used_bytes", "gauge", "bytes in the cache (clean and dirty)"),
+    ("acache_cache_limit_bytes", "gauge", "the cache limit in force"),
+    ("acache_cache_evictions_total", "counter", "clean files evicted to make room"),
+    ("acache_cache_evicted_bytes_total", "counter", "bytes of the evicted files"),
+    ("acache_readthrough_hits_total", "counter", "chunks of partly cached files read from the cache"),
+    ("acache_readthrough_misses_total", "counter", "chunks that had to be fetched from the under-storage"),
+    ("acache_ufs_read_bytes_total", "counter", "bytes fetched from the under-storage (read-through)"),
+    ("acache_ufs_reads_total", "counter", "read requests made to the under-storage"),
+    ("acache_fuse_requests_total", "counter", "FUSE requests by op"),
+    ("acache_fuse_request_duration_seconds", "histogram", "FUSE request latency by op"),
+]
+
+
+class NodeCollector:
+    def __init__(self, node) -> None:
+        self.node = node
+
+    def describe(self):
+        return []       # no up-front description: collect() is only called at scrape time
+
+    def collect(self) -> Iterator:
+        n = self.node
+        c, p, fetch = n.cache, n.persister, n.vfs.fetch
+        q = p.queue_stats()
+        with n.meta.lock:
+            journal = n.meta.journal()
+        info = GaugeMetricFamily("acache_node_info", METRICS[0][2],
+                                 labels=["version", "engine", "ufs_scheme", "host"])
+        info.add_metric([__version__, n.engine_name or "none", n.settings.ufs_url.partition(":")[0],
+                         socket.gethostname()], 1)
+        yield info
+
+        def g(name: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, _HELP[name], value=value)
+
+        def ctr(name: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name.removesuffix("_total"), _HELP[name], value=value)
+
+        dirty_bytes, dirty_files = c.dirty_stats()
+        yield g("acache_dirty_bytes", dirty_bytes)
+        yield g("acache_dirty_files", dirty_files)
+        yield g("acache_persisting_bytes", q["persisting_bytes"])
+        yield g("acache_persisting_files", q["persisting_files"])
+        yield ctr("acache_persisted_bytes_total", q["persisted_bytes"])
+        yield ctr("acache_persisted_files_total", q["persisted_files"])
+        yield g("acache_persist_queue_entries", len(journal))
+        yield g("acache_persist_queue_bytes", sum(e.size for e in journal))
+        yield g("acache_persist_queue_oldest_age_seconds", q["oldest_age"])
+        yield g("acache_persist_failed_entries", q["failed"])
+        yield ctr("acache_upload_bytes_total", n.limiter.taken)
+        yield g("acache_upload_rate_bytes_per_second", p.rate())
+        errs = CounterMetricFamily("acache_upload_errors", _HELP["acache_upload_errors_total"],
+                                   labels=["kind"])
+        for kind in ("transient", "permanent"):
+            errs.add_metric([kind], q["errors"].get(kind, 0))
+        yield errs
+        yield g("acache_upload_limit_bytes_per_second", n.limiter.rate() or 0)
+        yield ctr("acache_upload_throttled_seconds_total", n.limiter.waited)
+        yield ctr("acache_writer_stalls_total", c.stalls)
+        yield ctr("acache_writer_stall_seconds_total", c.stall_seconds)
+        yield ctr("acache_enospc_total", c.enospc)
+        yield g("acache_cache_used_bytes", c.used())
+        yield g("acache_cache_limit_bytes", c.effective_limit())
+        yield ctr("acache_cache_evictions_total", c.evictions)
+        yield ctr("acache_cache_evicted_bytes_total", c.evicted_bytes)
+        yield ctr("acache_readthrough_hits_total", fetch.hits)
+        yield ctr("acache_readthrough_misses_total", fetch.misses)
+        yield ctr("acache_ufs_read_bytes_total", fetch.bytes_read)
+        yield ctr("acache_ufs_reads_total", fetch.requests)
+        yield from self._fuse()
+
+    def _fuse(self) -> Iterator:
+        reqs = CounterMetricFamily("acache_fuse_requests", _HELP["acache_fuse_requests_total"],
+                                   labels=["op"])
+        hist = HistogramMetricFamily("acache_fuse_request_duration_seconds",
+                                     _HELP["acache_fuse_request_duration_seconds"], labels=["op"])
+        stats = self.node.op_stats()
+        for op, (counts, total_ns) in sorted((stats.snapshot() if stats else {}).items()):
+            reqs.add_metric([op], sum(counts))
+            cum, buckets = 0, []
+            for bound, k in zip([*map(repr, BOUNDS), "+Inf"], counts):
+                cum += k
+                buckets.append((bound, cum))
+            hist.add_metric([op], buckets, total_ns / 1e9)
+        yield reqs
+        yield hist
+
+
+_HELP = {name: text for name, _, text in METRICS}
+
+
+class MetricsServer:
+    """The /metrics endpoint of ``address`` (HOST:PORT); ConfigError if it cannot listen."""
+
+    def __init__(self, node, address: str, source: str = "") -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(NodeCollector(node))
+        host, port = split_hostport(address)
+        try:
+            self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            where = f" ({source})" if source else ""
+            raise ConfigError(f"metrics = {address!r}{where}: cannot listen there: "
+                              f"{e.strerror or e}") from None
+        self.address = address
+        log.info("metrics at http://%s/metrics", address)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
