@@ -456,6 +456,11 @@ def _existing(path: Path) -> Path:
 def startup_warnings(s: Settings) -> list[str]:
     """Settings that work but probably not as meant (for the log and the terminal)."""
     out: list[str] = []
+    peers = [k for k in ("listen", "advertise", "secret_file") if getattr(s, k) is not None]
+    if peers:
+        out.append(f"{', '.join(peers)} ({s.source(peers[0])}) set, but this node is single-host: "
+                   "the peer transport is not started until the cluster metadata exists (README, "
+                   "\"Cluster: the pieces built so far\")")
     if s.cache_size is not None:
         where = _existing(s.cache_path)
         try:
