@@ -39,12 +39,7 @@ def _settings(home=None, config_file=None, **flags) -> config.Settings:
     return config.load(config_file, home=home, **flags)
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_human = config.human_size
 
 
 # -- up / down ----------------------------------------------------------------------------

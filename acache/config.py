@@ -73,6 +73,15 @@ def parse_size(value: object, what: str = "size") -> int:
         raise ConfigError(f"{what}: {value!r}: {e}") from None
 
 
+def human_size(n: float) -> str:
+    """Bytes for people: 512 B, 1.5 MiB, 2.0 GiB (status, watch, flush progress)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def default_home() -> Path:
     env = os.environ.get("ACACHE_HOME")
     if env:

@@ -17,17 +17,12 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from acache.config import human_size as _human
 from acache.node.client import Client
 
 HISTORY = 60          # samples kept for the throughput line
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 _BARS = " ▁▂▃▄▅▆▇█"
