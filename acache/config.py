@@ -14,6 +14,9 @@
     listen      = host:port the peer server binds (none: no peer server); advertise = host:port
                   peers dial (default: listen); secret_file = the cluster secret (mode 600),
                   required unless listen and advertise are loopback (acache.net.auth)
+    transport   = auto (RDMA to each peer where both sides can, else TCP) | tcp | rdma (a usable
+                  RDMA device is required to start; peers without one still get TCP)
+                  (acache.net.rdma)
     [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
          multipart_threshold, concurrency, content_md5, verify_tls, connect_timeout,
          read_timeout
@@ -96,6 +99,7 @@ class Settings:
     listen: str | None = None
     advertise: str | None = None
     secret_file: Path | None = None
+    transport: str = "auto"
     s3: dict = field(default_factory=dict)
     # key -> where its value came from ("config file X, line N", "environment ACACHE_X", "--x")
     sources: dict = field(default_factory=dict, compare=False, repr=False)
@@ -272,6 +276,7 @@ _CASTS = {
     "chunk_size": _chunk,
     "meta_reserve": _size,
     "listen": _address, "advertise": lambda v: _address(v, dial=True), "secret_file": _secret_file,
+    "transport": _choice("auto", "tcp", "rdma"),
 }
 
 
