@@ -192,13 +192,76 @@ class RdmaTransport:
 
 
 # ===== the serving side ========================================================================
-class _Serve:
+class _Leases:
+    """Slots of the serving pool leased to sessions (pure bookkeeping: the unit tests run it
+    without a device).  A slot is free again when its session hands the lease back, closes, or
+    the lease expired, and never while the handler is still writing into it."""
+
+    def __init__(self, n: int, slot: int) -> None:
+        self.n, self.slot = n, slot
+        self.lock = threading.Lock()
+        self._free = list(range(self.n))
+        self._leases: dict[int, tuple[int, bytes, float]] = {}     # id -> (slot, session, deadline)
+        self._filling: set[int] = set()     # leases being written: freed only once written
+        self._doomed: set[int] = set()      # ... and handed back (or their session closed) meanwhile
+        self._ids = itertools.count(1)
+
+    def take(self, sid: bytes, k: int, lease: float) -> list[tuple[int, int]] | None:
+        """``k`` slots leased to ``sid``, as (lease id, offset), in the filling state until
+        ``filled``; None if there are not that many free (expired leases are taken back)."""
+        now = time.monotonic()
+        with self.lock:
+            if len(self._free) < k:
+                for lid in [lid for lid, (_, _, dl) in self._leases.items()
+                            if dl < now and lid not in self._filling]:
+                    self._free.append(self._leases.pop(lid)[0])
+            if len(self._free) < k:
+                return None
+            out = []
+            for _ in range(k):
+                lid, slot = next(self._ids), self._free.pop()
+                self._leases[lid] = (slot, sid, now + lease)
+                self._filling.add(lid)
+                out.append((lid, slot * self.slot))
+            return out
+
+    def filled(self, lids: list[int]) -> None:
+        with self.lock:
+            for lid in lids:
+                self._filling.discard(lid)
+                if lid in self._doomed:
+                    self._doomed.discard(lid)
+                    self._end(lid)
+
+    def _end(self, lid: int) -> None:
+        """Lock held: the lease is over; its slot is free unless still being written."""
+        if lid in self._filling:
+            self._doomed.add(lid)
+        elif lid in self._leases:
+            self._free.append(self._leases.pop(lid)[0])
+
+    def give(self, sid: bytes, lids: object) -> None:
+        if not isinstance(lids, list):
+            return
+        with self.lock:
+            for lid in lids:
+                got = self._leases.get(lid) if isinstance(lid, int) else None
+                if got is not None and got[1] == sid:
+                    self._end(lid)
+
+    def give_all(self, sid: bytes) -> None:
+        with self.lock:
+            for lid in [lid for lid, (_, s, _) in self._leases.items() if s == sid]:
+                self._end(lid)
+
+
+class _Serve(_Leases):
     """The listener's registered pool: ``n`` slots of ``slot`` bytes, then a probe page."""
 
     def __init__(self, t: RdmaTransport) -> None:
         from acache.net import rdma_verbs as v
         assert t.dev is not None
-        self.slot, self.n = t.slot, t.serve_slots
+        super().__init__(t.serve_slots, t.slot)
         self.pd = t.dev.pd()
         try:
             self.region = v.Region(self.pd, self.n * self.slot + 4096, v.SERVE_ACCESS)
@@ -208,44 +271,6 @@ class _Serve:
         self.probe_off = self.n * self.slot
         self.token = secrets.token_bytes(16)
         self.region.view[self.probe_off:self.probe_off + 16] = self.token
-        self.lock = threading.Lock()
-        self._free = list(range(self.n))
-        self._leases: dict[int, tuple[int, bytes, float]] = {}     # id -> (slot, session, deadline)
-        self._ids = itertools.count(1)
-
-    def take(self, sid: bytes, k: int, lease: float) -> list[int] | None:
-        now = time.monotonic()
-        with self.lock:
-            if len(self._free) < k:
-                for lid in [lid for lid, (_, _, dl) in self._leases.items() if dl < now]:
-                    self._free.append(self._leases.pop(lid)[0])
-            if len(self._free) < k:
-                return None
-            out = []
-            for _ in range(k):
-                lid = next(self._ids)
-                self._leases[lid] = (self._free.pop(), sid, now + lease)
-                out.append(lid)
-            return out
-
-    def offset(self, lid: int) -> int:
-        with self.lock:
-            return self._leases[lid][0] * self.slot
-
-    def give(self, sid: bytes, lids: object) -> None:
-        if not isinstance(lids, list):
-            return
-        with self.lock:
-            for lid in lids:
-                got = self._leases.get(lid) if isinstance(lid, int) else None
-                if got is not None and got[1] == sid:
-                    del self._leases[lid]
-                    self._free.append(got[0])
-
-    def give_all(self, sid: bytes) -> None:
-        with self.lock:
-            for lid in [lid for lid, (_, s, _) in self._leases.items() if s == sid]:
-                self._free.append(self._leases.pop(lid)[0])
 
     def close(self) -> None:
         self.region.close()
@@ -420,13 +445,14 @@ class RdmaListener:
         n = region.length if region is not None else len(src)  # type: ignore[arg-type]
         if not isinstance(cap, int) or n == 0 or n < self.t.rdma_min or n > cap:
             return None
-        lids = pool.take(sid, -(-n // pool.slot), self.t.lease)
-        if lids is None:
+        leased = pool.take(sid, -(-n // pool.slot), self.t.lease)
+        if leased is None:
             return None
+        lids = [lid for lid, _ in leased]
         segs, pos = [], 0
         try:
-            for lid in lids:
-                off, m = pool.offset(lid), min(pool.slot, n - pos)
+            for _, off in leased:
+                m = min(pool.slot, n - pos)
                 dst = pool.region.view[off:off + m]
                 if region is not None:
                     got = _pread_full(region.fd, dst, region.offset + pos)
@@ -443,6 +469,8 @@ class RdmaListener:
             if region is not None and region.release is not None:
                 region.release()
             raise
+        finally:
+            pool.filled(lids)
         if region is not None and region.release is not None:
             region.release()
         return {"seg": segs, "rel": lids}

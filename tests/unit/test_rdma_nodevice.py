@@ -77,3 +77,27 @@ def test_transport_key_is_validated(tmp_path):
 def test_tcp_mode_advertises_why(tmp_path):
     t = RdmaTransport(None, mode="tcp")
     assert t.capabilities["rdma_off"] == "transport = tcp" and "rdma" not in t.capabilities
+
+
+def test_serving_slot_leases():
+    """The serving pool's bookkeeping: a slot is never free while it is being written, even
+    when its session closes meanwhile; leases are handed back by id, by their own session only;
+    expired ones are taken back when slots run short."""
+    from acache.net.rdma import _Leases
+    p = _Leases(3, 4096)
+    a = p.take(b"A", 2, lease=30)
+    assert a is not None and sorted(off for _, off in a) == [4096, 8192]   # slots 1 and 2
+    assert p.take(b"B", 2, lease=30) is None                # one free
+    p.give_all(b"A")                                        # A closed while its reply is written
+    assert p.take(b"B", 2, lease=30) is None                # ... so nothing came free yet
+    p.filled([lid for lid, _ in a])                         # written: now the slots are free
+    b = p.take(b"B", 3, lease=30)
+    assert b is not None and len({off for _, off in b}) == 3
+    p.filled([lid for lid, _ in b])
+    p.give(b"A", [lid for lid, _ in b])                     # not A's to give
+    assert p.take(b"C", 1, lease=30) is None
+    p.give(b"B", [b[0][0], 999, "x"])                       # unknown ids are ignored
+    c = p.take(b"C", 1, lease=-1)                           # leased already expired
+    assert c is not None
+    p.filled([c[0][0]])
+    assert p.take(b"D", 1, lease=30) is not None            # the expired lease was taken back
