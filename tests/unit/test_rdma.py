@@ -135,7 +135,9 @@ def test_failure_mid_read_completes_over_tcp(pair, fault, why):
         reply = read(meta, payload)
         with lock:
             served["n"] += 1
-            if served["n"] == 4:      # this read's own RDMA READ fails, and those behind it
+            # the 6th: RemoteFile asks for it only once the first chunk arrived (4 ahead), so
+            # some bytes came by RDMA; this read's own READ fails, and those in flight with it
+            if served["n"] == 6:
                 if fault == "client_qp_error":
                     conn._r.ep.to_error()
                 else:
