@@ -16,6 +16,9 @@
                   required unless listen and advertise are loopback (acache.net.auth)
     upload_limit = "off" | "200MiB/s" | "08:00,100MiB/s 20:00,off" (acache.data.limit)
     metrics     = "" (off) | "127.0.0.1:9567": Prometheus text at http://HOST:PORT/metrics
+    transport   = auto (RDMA to each peer where both sides can, else TCP) | tcp | rdma (a usable
+                  RDMA device is required to start; peers without one still get TCP)
+                  (acache.net.rdma)
     [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
          multipart_threshold, concurrency, content_md5, verify_tls, connect_timeout,
          read_timeout
@@ -109,6 +112,7 @@ class Settings:
     secret_file: Path | None = None
     upload_limit: str = "off"
     metrics: str = ""
+    transport: str = "auto"
     s3: dict = field(default_factory=dict)
     # key -> where its value came from ("config file X, line N", "environment ACACHE_X", "--x")
     sources: dict = field(default_factory=dict, compare=False, repr=False)
@@ -311,6 +315,7 @@ _CASTS = {
     "meta_reserve": _size,
     "listen": _address, "advertise": lambda v: _address(v, dial=True), "secret_file": _secret_file,
     "upload_limit": _upload_limit, "metrics": _metrics,
+    "transport": _choice("auto", "tcp", "rdma"),
 }
 
 

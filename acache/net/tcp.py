@@ -327,6 +327,7 @@ class TcpConn:
         self._idle = float(idle) if isinstance(idle, (int, float)) and idle > 0 else t.idle_timeout
         self._closed = False
         self._opened = 1
+        self.path = "tcp"
 
     def _pick(self) -> _Stream:
         with self._lock:
@@ -363,10 +364,17 @@ class TcpConn:
     def read_into(self, op: str, meta: dict, buf: memoryview, *, timeout: float | None = None) -> int:
         return self._pick().call(op, meta, b"", memoryview(buf).cast("B"), timeout).n
 
+    def fetch_into(self, op: str, meta: dict, buf: memoryview, *,
+                   timeout: float | None = None) -> tuple[dict, int]:
+        """read_into that also returns the reply's meta (the RDMA transport's control path)."""
+        p = self._pick().call(op, meta, b"", memoryview(buf).cast("B"), timeout)
+        return p.meta, p.n
+
     def stats(self) -> dict:
         with self._lock:
             ss = list(self._streams)
-        return {"requests": sum(s.requests for s in ss), "bytes_in": sum(s.bytes_in for s in ss),
+        return {"transport": "tcp", "path": self.path,
+                "requests": sum(s.requests for s in ss), "bytes_in": sum(s.bytes_in for s in ss),
                 "bytes_out": sum(s.bytes_out for s in ss), "streams": len(ss),
                 "streams_opened": self._opened}
 

@@ -2,9 +2,11 @@
 
 A server side (``Listener``) registers a handler per op name; a client side (``Conn``, one
 per peer, safe to share between threads) sends requests and reads bulk data straight into
-the caller's buffer.  Implementations: acache.net.tcp (RDMA: acache.net.rdma, to come).
-Each side advertises a capability dict at connect (acache.net.auth); the peer's is on the
-Conn, so callers ask the Protocol instead of looking at the implementation class.
+the caller's buffer.  Implementations: acache.net.tcp, and acache.net.rdma (bulk data by RDMA
+READ, everything else on its TCP connection).  Each side advertises a capability dict at
+connect (acache.net.auth); the peer's is on the Conn, so callers ask the Protocol instead of
+looking at the implementation class; so is the path bulk data takes to that peer
+(``Conn.path``: RDMA is negotiated per peer, acache.net.rdma).
 
 Errors (translated only at the edges: socket/OS errors in the transport, a handler's
 errno on the serving side):
@@ -98,6 +100,10 @@ class Listener(Protocol):
 class Conn(Protocol):
     """Requests to one peer.  Several may be in flight at once, from any threads."""
     peer_capabilities: dict            # what the peer advertised at the handshake
+    # how bulk data moves now, and why: "rdma", "tcp" (a TCP-only transport), or "tcp: <why>"
+    # ("tcp: peer has no RDMA device", "tcp: fell back after IBV_WC_RETRY_EXC_ERR at 21:04:11");
+    # it may change once, from "rdma" to "tcp: fell back ..."; stats() has it too
+    path: str
 
     def request(self, op: str, meta: dict, payload: bytes | bytearray | memoryview = b"", *,
                 timeout: float | None = None) -> tuple[dict, bytes | bytearray]: ...
@@ -108,7 +114,7 @@ class Conn(Protocol):
         larger than ``buf`` is a ProtocolError."""
         ...
 
-    def stats(self) -> dict: ...       # requests, bytes_in, bytes_out, streams (open connections)
+    def stats(self) -> dict: ...       # transport, path, requests, bytes_in, bytes_out, streams (TCP)
     def close(self) -> None: ...
 
 

@@ -1,7 +1,10 @@
-"""The Transport conformance suite: what every implementation (TCP now, RDMA next) must do.
+"""The Transport conformance suite: what every implementation (TCP, RDMA) must do.
 
 An implementation joins by adding a Harness kind below: how to make a transport with the
-test's secret and options.  Everything else goes through the Protocol only.
+test's secret and options.  Everything else goes through the Protocol only.  "rdma" runs in
+the soft-RoCE VM (marker ``rdma``; scripts/test_rdma): both transports in one process over the
+rxe device's address, every read_into of a byte or more by RDMA READ (``rdma_min=1``), and
+each connection must have negotiated RDMA (``path == "rdma"``).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from acache.net.transport import (Conn, FileRegion, Listener, PeerUnavailable, P
                                   RemoteError, Reply, Transport)
 from tests.net_peer import FileServer
 
-KINDS = ["tcp"]
+KINDS = ["tcp", pytest.param("rdma", marks=pytest.mark.rdma)]
+RDMA_HOST = os.environ.get("ACACHE_TEST_RDMA_HOST", "10.11.12.1")    # the VM's rxe0 address
 SECRET = b"conformance-secret-0123456789abcdef"
 TIMEOUT = 3.0          # the transports' timeout: every failure below must come within ~2x
 
@@ -33,10 +37,15 @@ class Harness:
         if self.kind == "tcp":
             from acache.net.tcp import TcpTransport
             return TcpTransport(SECRET, timeout=TIMEOUT, connect_timeout=TIMEOUT, **opts)
+        if self.kind == "rdma":
+            from acache.net.rdma import RdmaTransport
+            return RdmaTransport(SECRET, mode="rdma", rdma_min=1, timeout=TIMEOUT,
+                                 connect_timeout=TIMEOUT, **opts)
         raise AssertionError(self.kind)
 
     def serve(self, **opts) -> tuple[Listener, FileServer]:
-        lst = self.transport(**opts).listen("127.0.0.1:0")
+        host = RDMA_HOST if self.kind == "rdma" else "127.0.0.1"
+        lst = self.transport(**opts).listen(f"{host}:0")
         files = FileServer(self.root)
         files.register(lst)
         self._made.append(lst)
@@ -46,6 +55,7 @@ class Harness:
     def connect(self, lst: Listener, **opts) -> Conn:
         c = self.transport(**opts).connect(lst.address)
         self._made.append(c)
+        assert c.path == ("tcp" if self.kind == "tcp" else "rdma"), c.path
         return c
 
     def file(self, name: str, size: int) -> bytes:
