@@ -51,6 +51,7 @@ def _run_foreground(s: config.Settings) -> None:
     if is_running(s.socket_path):
         raise AcacheError(f"an acache node is already running (socket {s.socket_path})")
     config.check_layout(s)
+    config.check_devices(s)
     for warning in config.startup_warnings(s):
         logging.getLogger("acache").warning("%s", warning)
     try:
@@ -98,6 +99,7 @@ def _start_background(s: config.Settings, argv: list[str]) -> None:
     if is_running(s.socket_path):
         return
     config.check_layout(s)        # the node checks again; this fails before starting one
+    config.check_devices(s)
     for warning in config.startup_warnings(s):
         err.print(f"[yellow]warning:[/] {warning}", soft_wrap=True)
     s.home.mkdir(parents=True, exist_ok=True)

@@ -467,10 +467,22 @@ def _existing(path: Path) -> Path:
     return path
 
 
+def check_devices(s: Settings) -> None:
+    """``transport = rdma`` needs an RDMA device on this host: refused at start without one
+    (the cheap sysfs check; pyverbs is not imported for it)."""
+    if s.transport == "rdma":
+        from acache.net.rdma import SYSFS, local_devices
+        if not local_devices():
+            raise ConfigError(f"transport = rdma ({s.source('transport')}): no RDMA device on this "
+                              f"host ({SYSFS} lists none); set transport = auto or tcp")
+
+
 def startup_warnings(s: Settings) -> list[str]:
     """Settings that work but probably not as meant (for the log and the terminal)."""
     out: list[str] = []
     peers = [k for k in ("listen", "advertise", "secret_file") if getattr(s, k) is not None]
+    if s.transport != "auto":
+        peers.append("transport")
     if peers:
         out.append(f"{', '.join(peers)} ({s.source(peers[0])}) set, but this node is single-host: "
                    "the peer transport is not started until the cluster metadata exists (README, "

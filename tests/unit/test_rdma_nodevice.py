@@ -101,3 +101,15 @@ def test_serving_slot_leases():
     assert c is not None
     p.filled([c[0][0]])
     assert p.take(b"D", 1, lease=30) is not None            # the expired lease was taken back
+
+
+def test_up_with_transport_rdma_refuses_without_a_device(tmp_path):
+    """`acache up` with transport = rdma on a host without a device: one line, exit 1, no node."""
+    assert not rdma.local_devices(), "this test is for a host without RDMA devices"
+    env = dict(os.environ, ACACHE_HOME=str(tmp_path / "home"), ACACHE_TRANSPORT="rdma")
+    p = subprocess.run([sys.executable, "-m", "acache.cli", "up"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 1, p
+    assert "transport = rdma (environment ACACHE_TRANSPORT): no RDMA device" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "home" / "acache.sock").exists()
