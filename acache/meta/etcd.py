@@ -511,15 +511,20 @@ class EtcdClient:
         r, _ = self._call("lease keepalive", op)
         return int(r.TTL)
 
+    def _done_if(self, what: str, call, already: str) -> None:
+        """A mutation whose refusal with ``already`` in the message means it is done (by
+        this call's lost first attempt or by someone else): a no-op, not an error."""
+        try:
+            self._call(what, call, mutation=True,
+                       ok_on_retry=lambda e: already in (e.details() or ""))
+        except EtcdError as e:
+            if already not in str(e):
+                raise
+
     def lease_revoke(self, lease_id: int) -> None:
         req = pb.LeaseRevokeRequest(ID=lease_id)
-        gone = lambda e: "not found" in (e.details() or "")
-        try:
-            self._call("lease revoke", lambda s, t: s.lease.LeaseRevoke(req, timeout=t, metadata=_MD),
-                       mutation=True, ok_on_retry=gone)
-        except EtcdError as e:
-            if "not found" not in str(e):
-                raise
+        self._done_if("lease revoke",
+                      lambda s, t: s.lease.LeaseRevoke(req, timeout=t, metadata=_MD), "not found")
 
     def keepalive(self, lease_id: int, ttl: float,
                   on_lost: Callable[[int], None] | None = None) -> "Keepalive":
@@ -547,13 +552,8 @@ class EtcdClient:
     def compact(self, revision: int) -> None:
         """Drop history before ``revision`` (already compacted: a no-op)."""
         req = pb.CompactionRequest(revision=revision, physical=False)
-        done = lambda e: "compacted" in (e.details() or "")
-        try:
-            self._call("compact", lambda s, t: s.kv.Compact(req, timeout=t, metadata=_MD),
-                       mutation=True, ok_on_retry=done)
-        except EtcdError as e:
-            if "compacted" not in str(e):
-                raise
+        self._done_if("compact", lambda s, t: s.kv.Compact(req, timeout=t, metadata=_MD),
+                      "compacted")
 
     def start_compactor(self, keep_revisions: int = 10_000, keep_seconds: float = 300.0,
                         interval: float = 60.0) -> "Compactor":
