@@ -19,6 +19,9 @@
     transport   = auto (RDMA to each peer where both sides can, else TCP) | tcp | rdma (a usable
                   RDMA device is required to start; peers without one still get TCP)
                   (acache.net.rdma)
+    meta        = "" (single-host, the embedded RocksDB) | "etcd://h1:2379,h2:2379/NAME": a member
+                  of cluster NAME, its namespace in etcd (acache.cluster); needs listen
+    node_id     = this node's name in the cluster (default: the host name)
     [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
          multipart_threshold, concurrency, content_md5, verify_tls, connect_timeout,
          read_timeout
@@ -113,6 +116,8 @@ class Settings:
     upload_limit: str = "off"
     metrics: str = ""
     transport: str = "auto"
+    meta: str = ""
+    node_id: str = ""
     s3: dict = field(default_factory=dict)
     # key -> where its value came from ("config file X, line N", "environment ACACHE_X", "--x")
     sources: dict = field(default_factory=dict, compare=False, repr=False)
@@ -316,7 +321,29 @@ _CASTS = {
     "listen": _address, "advertise": lambda v: _address(v, dial=True), "secret_file": _secret_file,
     "upload_limit": _upload_limit, "metrics": _metrics,
     "transport": _choice("auto", "tcp", "rdma"),
+    "meta": lambda v: _meta_url(v), "node_id": lambda v: _node_id(v),
 }
+
+
+def _meta_url(value: object) -> str:
+    v = str(value).strip()
+    if not v:
+        return ""
+    if not v.startswith("etcd://"):
+        raise _Bad('expected "etcd://HOST:PORT[,HOST:PORT...]/NAME" (or "" for single-host)')
+    from acache.meta.etcd import parse_url
+    try:
+        parse_url(v)
+    except Exception as e:
+        raise _Bad(str(e)) from None
+    return v
+
+
+def _node_id(value: object) -> str:
+    v = str(value).strip()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", v):
+        raise _Bad("a node id is 1-63 letters, digits, '.', '_' or '-'")
+    return v
 
 
 def _cast(key: str, value: object, where: str) -> object:
@@ -483,7 +510,7 @@ def startup_warnings(s: Settings) -> list[str]:
     peers = [k for k in ("listen", "advertise", "secret_file") if getattr(s, k) is not None]
     if s.transport != "auto":
         peers.append("transport")
-    if peers:
+    if peers and not s.meta:
         out.append(f"{', '.join(peers)} ({s.source(peers[0])}) set, but this node is single-host: "
                    "the peer transport is not started until the cluster metadata exists (README, "
                    "\"Cluster: the pieces built so far\")")

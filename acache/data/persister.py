@@ -66,6 +66,10 @@ class Persister:
         # asked (under the lock) before a staged PUT commits: True when the VFS withdrew it
         # (its file was written after the close that journaled it)
         self.withdraw: Callable[[Entry], bool] = lambda e: False
+        # a cluster's head (acache.cluster.head): a PUT whose bytes another node holds is
+        # copied from it into this cache before it is staged (``pull``, on a stage thread;
+        # raises UnderStoreError to retry), and its cache file is not checked before that
+        self.pull: Callable[[Entry], None] | None = None
         self._retry_at: dict[int, float] = {}   # seq -> self.clock() of the next try
         self._attempts: dict[int, int] = {}
         self.failed: dict[int, str] = {}        # seq -> permanent error message
@@ -277,7 +281,7 @@ class Persister:
                 f"`acache journal skip {e.seq}` to give this entry up)")
 
     def _start_stage(self, e: Entry) -> None:
-        problem = self._cache_problem(e)
+        problem = "" if self.pull is not None else self._cache_problem(e)
         if problem:    # never upload less than was acknowledged (an empty file over a good copy)
             if self.failed.get(e.seq) != problem:
                 log.error("persisting put %s failed: %s", e.path, problem)
@@ -319,6 +323,11 @@ class Persister:
 
         staged, error = None, None
         try:
+            if self.pull is not None and e.op == "put":
+                self.pull(e)
+                problem = self._cache_problem(e)
+                if problem:
+                    raise UnderStoreError(f"put {e.path}: {problem}", retryable=True)
             staged = self.under.stage(e.path, e.token, self.cache.path(e.ino, e.gen), e.size,
                                       progress, attrs=Attrs.unpack(e.attrs), on_token=on_token)
         except _Aborted:

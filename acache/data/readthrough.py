@@ -47,9 +47,10 @@ class ReadThrough:
             self._fills.pop((ino, gen), None)
 
     def ensure(self, ino: int, gen: int, fd: int, upath, size: int, offset: int, length: int,
-               readahead: bool = True) -> bool:
+               readahead: bool = True, reader=None) -> bool:
         """Make bytes [offset, offset+length) of the file present in ``fd``.
-        ``upath`` is a callable giving the current under-storage path.
+        ``upath`` is a callable giving the current under-storage path.  ``reader(offset, n)``
+        (if given) reads the bytes from elsewhere instead (a peer's cache, in a cluster).
         Returns True once the whole file is present."""
         end = min(size, offset + length)
         with self._lock:
@@ -59,7 +60,7 @@ class ReadThrough:
             wanted = list(range(first, last + 1))
             if readahead:
                 wanted += [c for c in range(last + 1, min(last + 1 + READAHEAD, fill.nchunks))]
-            waits = [self._start(fill, ino, gen, fd, upath, size, c) for c in wanted]
+            waits = [self._start(fill, ino, gen, fd, upath, size, c, reader) for c in wanted]
             missed = sum(1 for c, ev in zip(wanted, waits) if c <= last and ev is not None)
             with self._lock:
                 self.misses += missed
@@ -79,10 +80,10 @@ class ReadThrough:
                 self._fills.pop((ino, gen), None)
         return done
 
-    def fetch_all(self, ino, gen, fd, upath, size) -> None:
-        self.ensure(ino, gen, fd, upath, size, 0, size, readahead=False)
+    def fetch_all(self, ino, gen, fd, upath, size, reader=None) -> None:
+        self.ensure(ino, gen, fd, upath, size, 0, size, readahead=False, reader=reader)
 
-    def _start(self, fill: _Fill, ino, gen, fd, upath, size, c: int):
+    def _start(self, fill: _Fill, ino, gen, fd, upath, size, c: int, reader=None):
         with self._lock:
             if c in fill.present:
                 return None
@@ -92,11 +93,11 @@ class ReadThrough:
             fill.errors.pop(c, None)   # an earlier failure (a read-ahead nobody waited for)
             ev = fill.loading[c] = threading.Event()
         # our own descriptor: the caller's may be closed before a read-ahead lands
-        self.pool.submit(self._load, fill, os.dup(fd), upath, size, c, ev, ino, gen)
+        self.pool.submit(self._load, fill, os.dup(fd), upath, size, c, ev, ino, gen, reader)
         return ev
 
     def _load(self, fill: _Fill, fd, upath, size, c: int, ev: threading.Event, ino: int = 0,
-              gen: int = 0) -> None:
+              gen: int = 0, reader=None) -> None:
         off = c * self.chunk
         n = min(self.chunk, size - off)
         try:
@@ -107,7 +108,7 @@ class ReadThrough:
                 try:
                     with self._lock:
                         self.requests += 1
-                    data = self.under.read(upath(), off, n)
+                    data = reader(off, n) if reader is not None else self.under.read(upath(), off, n)
                     with self._lock:
                         self.bytes_read += len(data)
                     break

@@ -139,6 +139,7 @@ class Entry:
                               # place but waits for the next close (journal.hold_put)
     target: str = ""          # symlink: the link's target
     attrs: list = field(default_factory=list)   # Attrs.pack() taken when it started
+    node: str = ""            # put, in a cluster: the node holding its bytes (acache.cluster)
 
     def pack(self) -> bytes:
         return _pack(self, _ENTRY_FIELDS)

@@ -16,7 +16,7 @@ from acache.data import limit
 from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under import open_store
-from acache.errors import AcacheError, ConfigError, FlushError, MetaError, UnderStoreError
+from acache.errors import AcacheError, ConfigError, FlushError, FsError, MetaError, UnderStoreError
 from acache.fs.native.mount import clean_stale_mount
 from acache.fs.vfs import VFS
 from acache.meta.kv_rocks import RocksKV
@@ -65,6 +65,29 @@ class Node:
         # the RocksDB stays where it always was (<cache>/meta: existing nodes keep theirs),
         # with a reserve of room on that filesystem for it (acache.meta.reserve)
         self.reserve = Reserve(str(settings.cache_path / "meta.reserve"), settings.meta_reserve)
+        self.member = None
+        if settings.meta:
+            self._start_member(settings)
+        else:
+            self._start_single(settings)
+        self.cache.start_monitor()
+        if self.cache.effective_limit() < self.cache.limit:
+            log.warning("the cache filesystem has room for %d MiB of cache only (its free space "
+                        "less the %d MiB metadata reserve), not the %d MiB of cache_size",
+                        self.cache.effective_limit() >> 20, settings.meta_reserve >> 20,
+                        self.cache.limit >> 20)
+        self.engine = None
+        self.engine_name = ""
+        self.engine_why = ""
+        self.mountpoint: str | None = None
+        self.stopping = threading.Event()
+        self.metrics = None          # acache.node.metrics.MetricsServer, started by serve_metrics()
+        log.info("node up: cache %s (limit %d bytes), under-storage %s, %s",
+                 settings.cache_path, self.cache.limit, settings.ufs_url,
+                 f"{self.meta.journal_len()} journal entries pending" if self.meta is not None
+                 else f"member {self.member.node_id} of {settings.meta}")
+
+    def _start_single(self, settings: Settings) -> None:
         self.kv = RocksKV(str(settings.cache_path / "meta"), self.reserve)
         self.meta = MetaStore(self.kv)
         self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
@@ -78,20 +101,22 @@ class Node:
         if any(rec.values()):
             log.info("recovered after a crash: %s", rec)
         self.persister.start()
-        self.cache.start_monitor()
-        if self.cache.effective_limit() < self.cache.limit:
-            log.warning("the cache filesystem has room for %d MiB of cache only (its free space "
-                        "less the %d MiB metadata reserve), not the %d MiB of cache_size",
-                        self.cache.effective_limit() >> 20, settings.meta_reserve >> 20,
-                        self.cache.limit >> 20)
-        self.engine = None
-        self.engine_name = ""
-        self.engine_why = ""
-        self.mountpoint: str | None = None
-        self.stopping = threading.Event()
-        self.metrics = None          # acache.node.metrics.MetricsServer, started by serve_metrics()
-        log.info("node up: cache %s (limit %d bytes), under-storage %s, %d journal entries pending",
-                 settings.cache_path, self.cache.limit, settings.ufs_url, self.meta.journal_len())
+
+    def _start_member(self, settings: Settings) -> None:
+        """A member of a cluster (acache.cluster): the namespace is the head's, in etcd."""
+        import socket
+        from acache.cluster.member import Member
+        if not settings.listen:
+            raise ConfigError(f"meta = {settings.meta} ({settings.source('meta')}) makes this node "
+                              "a cluster member: set listen = \"HOST:PORT\" (the address peers "
+                              "reach it at; advertise if that differs)")
+        self.meta = None
+        self.persister = None
+        self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
+                              settings.stall_timeout, reserve=self.reserve)
+        node_id = settings.node_id or socket.gethostname().split(".")[0]
+        self.member = Member(settings, self.cache, self.under, node_id)
+        self.vfs = self.member.vfs
 
     def serve_metrics(self) -> None:
         """Start the /metrics endpoint if ``metrics`` is set (ConfigError if it cannot listen)."""
@@ -125,7 +150,8 @@ class Node:
                     why = f"no passthrough ({why}); the native engine serves the data itself"
                 return "native", why, lambda mp: NativeEngine(self.vfs, mp, passthrough=ok,
                                                               max_stack_depth=depth,
-                                                              entry_timeout=NATIVE_ENTRY_TIMEOUT)
+                                                              entry_timeout=NATIVE_ENTRY_TIMEOUT
+                                                              if self.member is None else 1.0)
             return "pyfuse3", f"no passthrough ({why}) and {why_not}", None
         if want == "pyfuse3":
             return "pyfuse3", "asked for", None
@@ -206,6 +232,11 @@ class Node:
     # -- the barrier ------------------------------------------------------------------------
     def flush(self, path: str | None, timeout: float | None, progress=None) -> dict:
         rel = self.rel(path)
+        if self.member is not None:      # the barrier is the head's, for the whole cluster
+            try:
+                return self.member.ns("flush", path=rel, timeout=timeout)
+            except FsError as e:
+                raise FlushError(f"the cluster's barrier failed: {e}") from None
         meta = self.meta
         t0 = time.monotonic()
         try:    # files closed while a metadata write failed are not journaled yet
@@ -284,6 +315,8 @@ class Node:
 
     # -- status ------------------------------------------------------------------------------
     def status(self, path: str | None = None) -> dict:
+        if self.member is not None:
+            return self._member_status(path)
         meta, p, c = self.meta, self.persister, self.cache
         with meta.lock:
             journal = meta.journal()
@@ -333,12 +366,49 @@ class Node:
                 out["files"] = sorted(files, key=lambda f: f["path"])
         return out
 
+    def _member_status(self, path: str | None) -> dict:
+        c, m = self.cache, self.member
+        out = {"pid": os.getpid(), "uptime": time.time() - self.started,
+               "mountpoint": self.mountpoint, "engine": self.engine_name,
+               "passthrough": False, "ufs": self.settings.ufs_url,
+               "cache_dir": str(self.settings.cache_path), "cache_used": c.used(),
+               "cache_limit": c.limit, "dirty_bytes": c.dirty_bytes(),
+               "cache_limit_now": c.effective_limit(), "meta_reserve_held": self.reserve.held,
+               "stalls": c.stalls, "time": time.time(), "metrics": self.settings.metrics,
+               "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
+               "upload_limit": limit.describe(self.limiter.rate()),
+               "upload_limit_setting": self.limiter.schedule.text,
+               "uploaded_bytes": self.limiter.taken, "fuse_requests": {},
+               "cluster": {"meta": self.settings.meta, "node": m.node_id, "address": m.address}}
+        out["lost_found_files"], out["lost_found_bytes"] = c.lost_found()
+        out["lost_found_dir"] = c.lost_dir
+        try:
+            out["cluster"]["nodes"] = m.peers()
+        except MetaError as e:
+            out["cluster"]["error"] = str(e)
+        try:
+            h = m.ns("status")
+        except FsError as e:
+            h = {"error": f"the head does not answer: {e}"}
+        out["cluster"].update(h)
+        for k in ("queue", "queue_bytes", "in_flight", "rate", "persisted_bytes",
+                  "persisted_files", "last_error", "failed"):
+            out[k] = h.get(k, 0 if k != "last_error" else h.get("error", ""))
+        out.update(dirty_files=h.get("queue", 0), failed_entries=[], persisting_files=0,
+                   persisting_bytes=0, oldest_age=0, upload_errors={})
+        return out
+
     # -- the journal, for the operator --------------------------------------------------------
     def journal(self, limit: int = 100) -> dict:
+        if self.member is not None:
+            raise ConfigError("acache journal: not available on a cluster member yet (the journal "
+                              "is the head's; `acache status` shows its oldest entry)")
         total, entries = self.persister.entries(max(1, int(limit)))
         return {"total": total, "entries": entries}
 
     def journal_skip(self, seq: int, reason: str) -> dict:
+        if self.member is not None:
+            raise ConfigError("acache journal skip: not available on a cluster member yet")
         reason = (reason or "").strip()
         if not reason:
             raise ConfigError("say why the entry is skipped: --reason \"...\"")
@@ -355,6 +425,16 @@ class Node:
         if flush:
             self.flush(None, timeout)
             out["flushed"] = True
+        if self.member is not None:
+            for what, step in (("unmounting", lambda: self.engine is not None and self.umount()),
+                               ("leaving the cluster", self.member.close),
+                               ("closing the under-storage", self.under.close)):
+                try:
+                    step()
+                except Exception as e:
+                    log.error("%s failed while stopping: %s", what, e)
+            self.stopping.set()
+            return out
         with self.meta.lock:
             out["left_dirty"] = self.meta.journal_len()
         for what, step in (("unmounting", lambda: self.engine is not None and self.umount()),

@@ -1,0 +1,511 @@
+"""ClientVFS: what a cluster node's mount serves (every node's, the head's included).
+
+Namespace operations go to the head (acache.cluster.head) -- a call on the head itself, a
+request over the peer transport elsewhere.  Bytes never do: a file opened for writing gets
+a generation of its own on this node (the head hands out the number), written in this
+node's cache directory at disk speed; close() asks the head to journal it, fsync() makes it
+durable here and records its size at the head.  Reading a file comes from this node's cache
+if it holds that generation, else from the holder's cache over the peer transport (read into
+a local copy chunk by chunk, with read-ahead: acache.data.readthrough), or from the
+under-storage once it is persisted and no cache holds it any more.
+
+Consistency across nodes is close-to-open: a file closed on A reads whole on B from an open
+that starts after the close returned (the open asks the head which generation is current);
+names and attributes on B's kernel are cached for ``ENTRY_TIMEOUT`` (1 s) at most.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from acache.errors import FsError, UnderStoreError
+from acache.fs.files import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, _libc
+from acache.fs.types import Attr, Ctx, StatFs
+from acache.fs.vfs import NAME_MAX
+
+log = logging.getLogger("acache.cluster.client")
+ENTRY_TIMEOUT = 1.0
+
+
+@dataclass
+class _Handle:
+    fh: int
+    ino: int
+    gen: int
+    fd: int
+    writable: bool
+    size: int = 0
+    complete: bool = True         # the local cache file holds the whole generation
+    reader: Callable | None = None
+    closed: bool = False
+
+
+@dataclass
+class _Writing:
+    gen: int
+    fd: int
+    handles: set = field(default_factory=set)     # write handles not yet released
+    active: set = field(default_factory=set)      # ... not yet closed (FLUSH)
+
+
+class ClientVFS:
+    def __init__(self, node_id: str, cache, under, ns: Callable[..., dict],
+                 peer: Callable[[str], object], *, chunk_size: int = 8 << 20) -> None:
+        from acache.data.readthrough import ReadThrough
+        self.node_id = node_id
+        self.cache, self.under = cache, under
+        self.ns = ns                       # ns(op, **args) -> dict (raises FsError)
+        self.peer = peer                   # node id -> Conn
+        self.fetch = ReadThrough(under, chunk_size, cache=cache)
+        self.lock = threading.RLock()
+        self._handles: dict[int, _Handle] = {}
+        self._fh = 0
+        self._wopen: dict[int, _Writing] = {}
+        self._dirs: dict[int, list] = {}
+        self._complete: set[tuple[int, int]] = set()   # local copies known whole
+        self._drop_later: set[tuple[int, int]] = set()
+        cache.evict_hook = self._evict
+
+    # -- helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _attr(d: dict) -> Attr:
+        return Attr(**d)
+
+    def _overlay(self, a: Attr) -> Attr:
+        w = self._wopen.get(a.ino)
+        if w is not None:       # written here now: the cache file's size and times are the file's
+            s = os.fstat(w.fd)
+            a.size, a.blocks = s.st_size, s.st_blocks
+            a.mtime_ns, a.ctime_ns = max(a.mtime_ns, s.st_mtime_ns), max(a.ctime_ns, s.st_ctime_ns)
+        return a
+
+    def after_failure(self, err: BaseException) -> bool:
+        return False
+
+    def attr(self, node) -> Attr:
+        return self.getattr(node.ino)
+
+    # -- namespace: the head's -----------------------------------------------------------
+    def lookup(self, parent: int, name: bytes, ctx: Ctx | None = None) -> Attr:
+        return self._overlay(self._attr(self.ns("lookup", parent=parent, name=name)))
+
+    def incref(self, ino: int) -> None:
+        pass
+
+    def forget(self, items) -> None:
+        pass
+
+    def getattr(self, ino: int, fh: int | None = None) -> Attr:
+        return self._overlay(self._attr(self.ns("getattr", ino=ino)))
+
+    def setattr(self, ino: int, ctx: Ctx | None = None, fh: int | None = None, mode=None, uid=None,
+                gid=None, size=None, atime_ns=None, mtime_ns=None) -> Attr:
+        if size is not None:
+            self._truncate(ino, fh, size)
+        if {mode, uid, gid, atime_ns, mtime_ns} == {None}:
+            return self.getattr(ino)
+        w = self._wopen.get(ino)
+        if w is not None and mtime_ns is not None and mtime_ns >= 0:
+            os.utime(w.fd, ns=(atime_ns if atime_ns and atime_ns > 0 else mtime_ns, mtime_ns))
+        a = self._attr(self.ns("setattr", ino=ino, mode=mode, uid=uid, gid=gid,
+                               atime_ns=atime_ns, mtime_ns=mtime_ns, ctx=_ctx(ctx)))
+        return self._overlay(a)
+
+    def mkdir(self, parent: int, name: bytes, mode: int, ctx: Ctx) -> Attr:
+        return self._attr(self.ns("mkdir", parent=parent, name=name, mode=mode, ctx=_ctx(ctx)))
+
+    def symlink(self, parent: int, name: bytes, target: bytes, ctx: Ctx) -> Attr:
+        return self._attr(self.ns("symlink", parent=parent, name=name, target=target, ctx=_ctx(ctx)))
+
+    def readlink(self, ino: int, ctx: Ctx | None = None) -> bytes:
+        return self.ns("readlink", ino=ino)["target"]
+
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx: Ctx) -> Attr:
+        return self._attr(self.ns("mknod", parent=parent, name=name, mode=mode, rdev=rdev,
+                                  ctx=_ctx(ctx)))
+
+    def unlink(self, parent: int, name: bytes, ctx: Ctx | None = None) -> None:
+        self.ns("unlink", parent=parent, name=name)
+
+    def rmdir(self, parent: int, name: bytes, ctx: Ctx | None = None) -> None:
+        self.ns("rmdir", parent=parent, name=name)
+
+    def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
+               flags: int, ctx: Ctx | None = None) -> None:
+        self.ns("rename", parent_old=parent_old, name_old=name_old, parent_new=parent_new,
+                name_new=name_new, flags=flags)
+
+    def opendir(self, ino: int, ctx: Ctx | None = None) -> int:
+        entries = [(n, self._attr(a)) for n, a in self.ns("readdir", ino=ino)["entries"]]
+        with self.lock:
+            self._fh += 1
+            self._dirs[self._fh] = entries
+            return self._fh
+
+    def readdir(self, fh: int, offset: int) -> list[tuple[bytes, Attr, int]]:
+        with self.lock:
+            entries = self._dirs.get(fh)
+            if entries is None:
+                raise FsError(errno.EBADF)
+            return [(n, self._overlay(a), i + 1) for i, (n, a) in enumerate(entries) if i >= offset]
+
+    def releasedir(self, fh: int) -> None:
+        with self.lock:
+            self._dirs.pop(fh, None)
+
+    def fsyncdir(self, fh: int, datasync: bool) -> None:
+        self.ns("sync")
+
+    def statfs(self) -> StatFs:
+        s = self.cache.statvfs()
+        bs = s.f_frsize or 4096
+        limit = self.cache.limit // bs
+        free = max(0, min(limit - self.cache.used() // bs, s.f_bavail))
+        return StatFs(bsize=1 << 20, frsize=bs, blocks=limit, bfree=free, bavail=free,
+                      files=1 << 32, ffree=(1 << 32) - 1, namemax=NAME_MAX)
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        return self.ns("getxattr", ino=ino, name=name)["value"]
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        self.ns("getattr", ino=ino)
+        return []
+
+    def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
+        self.ns("setxattr", ino=ino, name=name)
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        self.ns("removexattr", ino=ino, name=name)
+
+    # -- handles ----------------------------------------------------------------------------
+    def handle_ino(self, fh: int) -> int | None:
+        h = self._handles.get(fh)
+        return h.ino if h is not None else None
+
+    def is_open(self, ino: int) -> bool:
+        return any(h.ino == ino for h in list(self._handles.values()))
+
+    def passthrough_fd(self, fh: int, opening: bool = False) -> int | None:
+        return None          # every byte through the daemon: a write's size is seen at close
+
+    def journal_unjournaled(self) -> list[int]:
+        return []
+
+    def _handle(self, fh: int) -> _Handle:
+        h = self._handles.get(fh)
+        if h is None:
+            raise FsError(errno.EBADF)
+        return h
+
+    def _new(self, h: _Handle) -> int:
+        with self.lock:
+            self._fh += 1
+            h.fh = self._fh
+            self._handles[h.fh] = h
+            return h.fh
+
+    def _reader(self, src: dict, ino: int) -> Callable[[int, int], bytes] | None:
+        """Where the bytes of generation ``src`` come from when this node has no copy."""
+        holder, gen = src.get("holder", ""), src["gen"]
+        if src.get("cached") and holder and holder != self.node_id:
+            def from_peer(off: int, n: int) -> bytes:
+                from acache.net.transport import TransportError
+                try:
+                    conn = self.peer(holder)
+                    buf = bytearray(n)
+                    got = conn.read_into("data.read", {"ino": ino, "gen": gen, "offset": off,
+                                                       "length": n}, memoryview(buf))
+                except TransportError as e:
+                    raise UnderStoreError(f"reading inode {ino} from {holder}: {e}",
+                                          retryable=getattr(e, "retryable", False)) from None
+                return bytes(buf[:got])
+            return from_peer
+        upath = src.get("upath")
+        if upath is not None:
+            return lambda off, n: self.under.read(upath, off, n)
+        return None
+
+    def _local_whole(self, ino: int, gen: int, size: int, holder: str) -> bool:
+        if (ino, gen) in self._complete:
+            return True
+        if holder == self.node_id and self.cache.exists(ino, gen) and \
+                os.stat(self.cache.path(ino, gen)).st_size >= size:
+            self._complete.add((ino, gen))
+            return True
+        return False
+
+    def _copy(self, ino: int, gen: int, src: dict) -> None:
+        """Fill generation ``gen`` (just created, empty) with generation ``src`` of the file."""
+        old = src["gen"]
+        try:
+            if self._local_whole(ino, old, src["size"], src.get("holder", "")):
+                self.cache.clone(ino, old, gen)
+                return
+            reader = self._reader(src, ino)
+            if reader is None:
+                raise FsError(errno.EIO, f"no copy of inode {ino} generation {old} is reachable")
+            fd = self.cache.acquire(ino, gen, write=True)
+            try:
+                self.fetch.fetch_all(ino, gen, fd, lambda: src.get("upath") or f"inode {ino}",
+                                     src["size"], reader=reader)
+                self.fetch.forget(ino, gen)
+            finally:
+                self.cache.release(ino, gen, write=True)
+        finally:
+            self.ns("copied", ino=ino, gen=old)
+
+    def _open_write(self, ino: int, r: dict) -> int:
+        gen = r["gen"]
+        with self.lock:
+            w = self._wopen.get(ino)
+            fresh = w is None or w.gen != gen
+        if fresh:
+            try:
+                self.cache.create_empty(ino, gen)
+                if r.get("src"):
+                    self._copy(ino, gen, r["src"])
+            except BaseException:
+                self.ns("end_write", ino=ino, gen=gen)
+                raise
+        elif r.get("trunc"):
+            os.truncate(self.cache.path(ino, gen), 0)
+        fd = self.cache.acquire(ino, gen, create=True, write=True)
+        self.cache.note(ino, gen, dirty=True)
+        h = _Handle(0, ino, gen, fd, True)
+        fh = self._new(h)
+        with self.lock:
+            if fresh:
+                self._wopen[ino] = _Writing(gen, fd)
+            w = self._wopen[ino]
+            w.handles.add(fh)
+            w.active.add(fh)
+            self._complete.add((ino, gen))
+        return fh
+
+    def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, object]:
+        self.cache.wait_for_room()
+        r = self.ns("create", parent=parent, name=name, mode=mode, flags=flags, ctx=_ctx(ctx))
+        fh = self._open_write(r["ino"], r)
+        return fh, self._overlay(self._attr(r["attr"]))
+
+    def open(self, ino: int, flags: int, ctx=None) -> int:
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        if writable:
+            self.cache.wait_for_room()
+            trunc = bool(flags & os.O_TRUNC)
+            r = self.ns("open_write", ino=ino, trunc=trunc)
+            r["trunc"] = trunc
+            return self._open_write(ino, r)
+        with self.lock:
+            w = self._wopen.get(ino)
+            if w is not None:            # written here: read what is being written
+                fd = self.cache.acquire(ino, w.gen)
+                return self._new(_Handle(0, ino, w.gen, fd, False))
+        r = self.ns("open_read", ino=ino)
+        gen, size = r["gen"], r["size"]
+        try:
+            whole = size == 0 or self._local_whole(ino, gen, size, r.get("holder", ""))
+            reader = None if whole else self._reader(r, ino)
+            if not whole and reader is None:
+                raise FsError(errno.EIO, f"no copy of inode {ino} is reachable")
+            fd = self.cache.acquire(ino, gen, create=True)
+            self.cache.touch(ino)
+        except BaseException:
+            self.ns("end_read", ino=ino, gen=gen)
+            raise
+        if not whole and (ino, gen) not in self._complete:
+            self.cache.note(ino, gen, dirty=False, size=0)
+        return self._new(_Handle(0, ino, gen, fd, False, size=size, complete=whole, reader=reader))
+
+    # -- data ----------------------------------------------------------------------------------
+    def read(self, fh: int, offset: int, size: int) -> bytes:
+        h = self._handle(fh)
+        if not h.complete and (h.ino, h.gen) not in self._complete:
+            n = max(0, min(size, h.size - offset))
+            if n == 0:
+                return b""
+            if self.fetch.ensure(h.ino, h.gen, h.fd, lambda: f"inode {h.ino}", h.size, offset, n,
+                                 reader=h.reader):
+                with self.lock:
+                    self._complete.add((h.ino, h.gen))
+                h.complete = True
+            size = n
+        return os.pread(h.fd, size, offset)
+
+    def read_fast(self, fh: int, offset: int, size: int) -> bytes | None:
+        h = self._handles.get(fh)
+        if h is None or not (h.complete or (h.ino, h.gen) in self._complete):
+            return None
+        return os.pread(h.fd, size, offset)
+
+    def write(self, fh: int, offset: int, data) -> int:
+        h = self._handle(fh)
+        if not h.writable:
+            raise FsError(errno.EBADF)
+        n = os.pwrite(h.fd, data, offset)
+        self.cache.grow(h.ino, h.gen, offset + n)
+        return n
+
+    def write_fast(self, fh: int, offset: int, data) -> int | None:
+        h = self._handles.get(fh)
+        if h is None or not h.writable or not self.cache.has_room(len(data)):
+            return None
+        n = os.pwrite(h.fd, data, offset)
+        self.cache.account(h.ino, h.gen, offset + n)
+        return n
+
+    def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
+        known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
+        punch = bool(mode & FALLOC_FL_PUNCH_HOLE)
+        if mode & ~known or (punch and (mode & FALLOC_FL_ZERO_RANGE or not mode & FALLOC_FL_KEEP_SIZE)):
+            raise FsError(errno.EOPNOTSUPP)
+        if offset < 0 or length <= 0:
+            raise FsError(errno.EINVAL)
+        h = self._handle(fh)
+        if not h.writable:
+            raise FsError(errno.EBADF)
+        import ctypes
+        if _libc.fallocate(h.fd, mode, offset, length) != 0:
+            raise FsError(ctypes.get_errno())
+        if not punch:
+            self.cache.grow(h.ino, h.gen, offset + length)
+
+    def _truncate(self, ino: int, fh: int | None, size: int) -> None:
+        with self.lock:
+            w = self._wopen.get(ino)
+        if w is not None:
+            os.ftruncate(w.fd, size)
+            return
+        fh = self.open(ino, os.O_WRONLY | (os.O_TRUNC if size == 0 else 0))
+        try:
+            os.ftruncate(self._handles[fh].fd, size)
+            self.flush(fh)
+        finally:
+            self.release(fh)
+
+    # -- close -------------------------------------------------------------------------------
+    def flush(self, fh: int) -> None:
+        with self.lock:
+            h = self._handles.get(fh)
+            if h is None or not h.writable or h.closed:
+                return
+            h.closed = True
+            w = self._wopen.get(h.ino)
+            if w is None:
+                return
+            w.active.discard(fh)
+            last = not w.active
+        if last:
+            s = os.fstat(h.fd)
+            self.ns("close", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns,
+                    ctime_ns=s.st_ctime_ns)
+            self.cache.note(h.ino, h.gen, dirty=True, size=s.st_blocks * 512)
+
+    def fsync(self, fh: int, datasync: bool) -> None:
+        h = self._handle(fh)
+        (os.fdatasync if datasync else os.fsync)(h.fd)
+        fd = os.open(self.cache.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if h.writable:
+            s = os.fstat(h.fd)
+            self.ns("fsync", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns)
+
+    def release(self, fh: int) -> None:
+        with self.lock:
+            h = self._handles.pop(fh, None)
+            if h is None:
+                return
+            ended = False
+            if h.writable:
+                w = self._wopen.get(h.ino)
+                if w is not None:
+                    w.handles.discard(fh)
+                    w.active.discard(fh)
+                    if not w.handles:
+                        del self._wopen[h.ino]
+                        ended = True
+        try:
+            if h.writable and not h.closed:
+                self.flush_handle_on_release(h)
+            if ended:
+                self.ns("end_write", ino=h.ino, gen=h.gen)
+            elif not h.writable:
+                self.ns("end_read", ino=h.ino, gen=h.gen)
+        finally:
+            self.cache.release(h.ino, h.gen, write=h.writable)
+            self._maybe_drop(h.ino, h.gen)
+
+    def flush_handle_on_release(self, h: _Handle) -> None:
+        """A RELEASE without a FLUSH (the kernel sends FLUSH per close(2); a handle the
+        kernel dropped otherwise): close it now, so its bytes are journaled."""
+        s = os.fstat(h.fd)
+        self.ns("close", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns,
+                ctime_ns=s.st_ctime_ns)
+
+    # -- the cache directory, for the head and peers ------------------------------------------
+    def _maybe_drop(self, ino: int, gen: int) -> None:
+        with self.lock:
+            if (ino, gen) in self._drop_later and not self.cache.is_open(ino, gen):
+                self._drop_later.discard((ino, gen))
+                self._complete.discard((ino, gen))
+                self.fetch.forget(ino, gen)
+                self.cache.remove(ino, gen)
+
+    def drop(self, ino: int, gen: int) -> None:
+        """The head no longer needs (ino, gen): remove it once nobody here has it open."""
+        with self.lock:
+            self._drop_later.add((ino, gen))
+        self._maybe_drop(ino, gen)
+
+    def clean(self, ino: int, gen: int) -> None:
+        """(ino, gen) is persisted: evictable."""
+        if self.cache.exists(ino, gen) and not self.cache.is_open(ino, gen):
+            self.cache.note(ino, gen, dirty=False)
+
+    def _evict(self, ino: int, gen: int) -> bool:
+        if self.cache.is_open(ino, gen):
+            return False
+        try:
+            ok = self.ns("evict", ino=ino, gen=gen)["ok"]
+        except Exception as e:       # the head is unreachable: keep it
+            log.debug("evicting inode %d: %s", ino, e)
+            return False
+        if ok:
+            with self.lock:
+                self._complete.discard((ino, gen))
+            self.fetch.forget(ino, gen)
+            self.cache.remove(ino, gen)
+        return ok
+
+    def local_files(self) -> dict[int, tuple[int, int]]:
+        """ino -> (newest gen, its size) of the cache files here (for rejoining the head)."""
+        out: dict[int, tuple[int, int]] = {}
+        for ino, gen in self.cache.known():
+            if ino not in out or gen > out[ino][0]:
+                try:
+                    out[ino] = (gen, os.stat(self.cache.path(ino, gen)).st_size)
+                except FileNotFoundError:
+                    pass
+        return out
+
+    def recover(self) -> dict:
+        """After a restart: every cache file here is accounted; dirty until the head says
+        otherwise (``clean``)."""
+        n = 0
+        for ino, gen in self.cache.known():
+            self.cache.note(ino, gen, dirty=True)
+            n += 1
+        return {"cache_files": n}
+
+
+def _ctx(ctx) -> dict:
+    if ctx is None:
+        return {}
+    return {"uid": ctx.uid, "gid": ctx.gid, "pid": ctx.pid, "umask": ctx.umask}

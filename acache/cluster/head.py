@@ -1,0 +1,351 @@
+"""The cluster's namespace head: one node at a time runs the namespace, the journal and the
+persister for the whole cluster, over a MetaStore whose KV is etcd (acache.meta.kv_etcd).
+
+Every node's mount (the head's own included) is a ClientVFS (acache.cluster.client): its
+bytes stay in its own cache directory, and only namespace operations come here -- over the
+peer transport from other nodes, as a plain call on the head itself.  Why one head rather
+than every node mutating etcd directly: the journal's rules (journal.py) read and change
+several records per operation (supersede a pending PUT, move it on rename, cancel it on
+delete); done by one process under one lock they stay exactly the single-host rules, and the
+journal's order is the order in which the head committed, which is real-time order across
+hosts (DESIGN point 4 across hosts, with no watch-lag trap: no node orders by what its watch
+has seen).  etcd makes the head's state survive it: a new head opens the same KV (fencing
+off the old one) and carries on from what etcd holds.
+
+What the head keeps in memory only (rebuilt as nodes (re)join): which node has which file
+open, for reading and for writing.  Opening for writing on one node a file open for writing
+on another is EBUSY.  A file's bytes are on its *holder* (Inode.node), the node whose write
+session made the current generation; the persister pulls them from there over the peer
+transport into the head's cache before staging (``pull``), so what it uploads is what the
+holder acknowledged.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict
+from typing import Callable
+
+from acache.data.persister import Persister
+from acache.errors import AcacheError, FsError
+from acache.fs.types import Ctx
+from acache.fs.vfs import VFS
+from acache.meta import journal
+from acache.meta.store import Inode
+
+log = logging.getLogger("acache.cluster.head")
+
+
+def attr_dict(a) -> dict:
+    return asdict(a)
+
+
+class HeadVFS(VFS):
+    """The single-host VFS, for the namespace of a cluster: opens come from nodes by id."""
+
+    def __init__(self, meta, cache, under, persister: Persister, *, node_id: str,
+                 notify: Callable[[str, str, int, int], None], chunk_size: int = 8 << 20) -> None:
+        hook = cache.evict_hook
+        super().__init__(meta, cache, under, persister, chunk_size=chunk_size)
+        cache.evict_hook = hook          # the node's ClientVFS owns its cache directory
+        self.node_id = node_id
+        self.notify = notify             # (holder, "drop"|"clean", ino, gen), best effort
+        # ino -> [node, write sessions of that node]; (ino, gen) -> {node: opens}
+        self.writers: dict[int, list] = {}
+        self.ropens: dict[tuple[int, int], dict[str, int]] = {}
+        self.pinned: dict[tuple[int, int], int] = {}   # old gens a writer copies from
+        self._holder_of: dict[tuple[int, int], str] = {}   # superseded gens still held
+        self._wopen = self.writers       # what the barrier (Node._flush_wait) waits for
+
+    def journal_unjournaled(self) -> list[int]:
+        return []                        # a close is journaled by the head or fails (EIO)
+
+    # -- who has what open -------------------------------------------------------------
+    def _open_count(self, ino: int) -> int:
+        n = super()._open_count(ino)
+        if ino in self.writers:
+            n += 1
+        return n + sum(sum(d.values()) for (i, _), d in self.ropens.items() if i == ino)
+
+    def _remote_open(self, ino: int, gen: int) -> bool:
+        return bool(self.ropens.get((ino, gen))) or bool(self.pinned.get((ino, gen))) or \
+            (ino in self.writers and self.meta.get(ino) is not None and self.meta.get(ino).gen == gen)
+
+    def gc_gen(self, ino: int, gen: int) -> None:
+        with self.lock:
+            node = self.meta.get(ino)
+            if self.meta.gen_pending(ino, gen) or self.persister.uses(ino, gen) \
+                    or self._remote_open(ino, gen):
+                return
+            holder = node.node if node is not None and node.gen == gen else self._holder_of.get((ino, gen), "")
+            if node is not None and node.gen == gen:
+                if not node.dirty and not self.meta.puts_of(ino) and node.upath is not None \
+                        and node.cached and not node.local:
+                    if self.cache.exists(ino, gen):
+                        self.cache.note(ino, gen, dirty=False)     # a pulled copy
+                    if holder:
+                        self.notify(holder, "clean", ino, gen)
+                return
+            self._holder_of.pop((ino, gen), None)
+            if not self.cache.is_open(ino, gen):
+                self.fetch.forget(ino, gen)
+                if holder != self.node_id:
+                    self.cache.remove(ino, gen)          # a pulled copy, if any
+            if holder:
+                self.notify(holder, "drop", ino, gen)
+
+    # -- opens from nodes ---------------------------------------------------------------
+    def _busy(self, ino: int, node: str) -> None:
+        w = self.writers.get(ino)
+        if w is not None and w[0] != node:
+            log.warning("open for writing of inode %d on %s refused: it is open for writing on %s",
+                        ino, node, w[0])
+            raise FsError(errno.EBUSY)
+
+    def _source(self, node: Inode) -> dict:
+        return {"gen": node.gen, "holder": node.node, "cached": node.cached,
+                "upath": node.upath, "size": node.size}
+
+    def open_write(self, ino: int, trunc: bool, holder: str) -> dict:
+        """A write session of ``holder`` on the file: always a generation of its own (never
+        one a PUT or a reader elsewhere refers to), unless it has one open already."""
+        with self.lock:
+            node = self._node(ino)
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            self._busy(ino, holder)
+            w = self.writers.get(ino)
+            if w is not None:            # the node opens it again: the same session
+                w[1] += 1
+                if trunc:
+                    node.size = 0
+                return {"gen": node.gen, "same": True, "src": None, "attr": attr_dict(self.attr(node))}
+            src = None if trunc or not node.size else self._source(node)
+            old_gen, old_holder = node.gen, node.node
+            txn = self.meta.txn()
+            self._holder_of[(ino, old_gen)] = old_holder
+            node.gen += 1
+            node.node = holder
+            node.cached = True
+            if trunc:
+                node.size = 0
+                node.synced = min(node.synced, 0)
+                node.mtime_ns = node.ctime_ns = time.time_ns()
+            node.dirty = True
+            txn.save(node)
+            txn.commit()
+            self.writers[ino] = [holder, 1]
+            if src is not None:
+                self.pinned[(ino, old_gen)] = self.pinned.get((ino, old_gen), 0) + 1
+            else:
+                self.gc_gen(ino, old_gen)
+            return {"gen": node.gen, "same": False, "src": src, "attr": attr_dict(self.attr(node))}
+
+    def create_file(self, parent: int, name: bytes, mode: int, flags: int, ctx: Ctx,
+                    holder: str) -> dict:
+        self._check_name(name)
+        existing = self._child(parent, name)
+        if existing is not None:
+            if flags & os.O_EXCL:
+                raise FsError(errno.EEXIST)
+            if existing.is_dir:
+                raise FsError(errno.EISDIR)
+            out = self.open_write(existing.ino, bool(flags & os.O_TRUNC), holder)
+            out["ino"] = existing.ino
+            return out
+        with self.lock:
+            p = self._dir(parent)
+            if self.meta.child(parent, name) is not None:
+                raise FsError(errno.EEXIST)
+            txn = self.meta.txn()
+            now = time.time_ns()
+            gid, mode = self._group_of_new(p, ctx, mode & 0o7777)
+            node = self.meta.new_inode(txn, mode=0o100000 | mode, uid=ctx.uid, gid=gid,
+                                       atime_ns=now, mtime_ns=now, ctime_ns=now, parent=parent,
+                                       name=name, dirty=True, cached=True, node=holder)
+            txn.link(parent, name, node.ino)
+            self._touch_dir(txn, p)
+            txn.commit()
+            self.writers[node.ino] = [holder, 1]
+            return {"ino": node.ino, "gen": node.gen, "same": False, "src": None,
+                    "attr": attr_dict(self.attr(node))}
+
+    def copied(self, ino: int, gen: int) -> None:
+        """A writer finished copying generation ``gen`` (its open's ``src``)."""
+        with self.lock:
+            left = self.pinned.get((ino, gen), 0) - 1
+            if left > 0:
+                self.pinned[(ino, gen)] = left
+            else:
+                self.pinned.pop((ino, gen), None)
+                self.gc_gen(ino, gen)
+
+    def close_write(self, ino: int, gen: int, holder: str, size: int, mtime_ns: int,
+                    ctime_ns: int) -> None:
+        """The holder's last writer closed the file: journal its commit (a PUT)."""
+        with self.lock:
+            node = self.meta.get(ino)
+            if node is None or node.gen != gen or node.node != holder:
+                return
+            txn = self.meta.txn()
+            node.size = size
+            node.mtime_ns = max(node.mtime_ns, mtime_ns)
+            node.ctime_ns = max(node.ctime_ns, ctime_ns)
+            if node.nlink > 0:
+                e = journal.journal_put(self.meta, txn, self.persister, node)
+                e.node = holder
+                txn.update_entry(e)
+            node.dirty = False
+            node.synced = -1
+            node.local = ""
+            txn.save(node)
+            txn.commit()
+        self.persister.wake()
+
+    def end_write(self, ino: int, gen: int, holder: str) -> None:
+        """The holder released its last write handle of the file."""
+        with self.lock:
+            w = self.writers.get(ino)
+            if w is None or w[0] != holder:
+                return
+            w[1] -= 1
+            if w[1] > 0:
+                return
+            del self.writers[ino]
+            node = self.meta.get(ino)
+        self._settle(ino, gen, node)
+
+    def _settle(self, ino: int, gen: int, node: Inode | None) -> None:
+        if node is not None and node.nlink == 0 and not self._open_count(ino):
+            self._reap(node)
+        else:
+            self.gc_gen(ino, gen)
+
+    def sync_write(self, ino: int, gen: int, holder: str, size: int, mtime_ns: int) -> None:
+        """fsync on the holder: its bytes are durable there; the size is recorded durably."""
+        with self.lock:
+            node = self.meta.get(ino)
+            if node is None or node.gen != gen or node.node != holder:
+                self.meta.sync()
+                return
+            node.size = size
+            node.mtime_ns = max(node.mtime_ns, mtime_ns)
+            node.synced = size
+            txn = self.meta.txn()
+            txn.save(node)
+            txn.commit(sync=True)
+
+    def open_read(self, ino: int, holder: str) -> dict:
+        with self.lock:
+            node = self._node(ino)
+            if node.is_dir:
+                raise FsError(errno.EISDIR)
+            key = (ino, node.gen)
+            d = self.ropens.setdefault(key, {})
+            d[holder] = d.get(holder, 0) + 1
+            out = self._source(node)
+            out["attr"] = attr_dict(self.attr(node))
+            return out
+
+    def end_read(self, ino: int, gen: int, holder: str) -> None:
+        with self.lock:
+            d = self.ropens.get((ino, gen))
+            if d is None or holder not in d:
+                return
+            d[holder] -= 1
+            if d[holder] <= 0:
+                del d[holder]
+            if not d:
+                del self.ropens[(ino, gen)]
+            node = self.meta.get(ino)
+        self._settle(ino, gen, node)
+
+    def evict(self, ino: int, gen: int, holder: str) -> bool:
+        """May ``holder`` drop its cache file of (ino, gen)?  The holder's copy of the
+        current generation only once it is persisted (the file then reads through)."""
+        with self.lock:
+            node = self.meta.get(ino)
+            if node is None or node.gen != gen or node.node != holder:
+                return True                  # a copy, or a generation nobody needs
+            if node.dirty or node.local or self.meta.puts_of(ino) or node.upath is None \
+                    or ino in self.writers:
+                return False
+            node.cached = False
+            txn = self.meta.txn()
+            txn.save(node)
+            try:
+                txn.commit()
+            except AcacheError:
+                return False
+            return True
+
+    def rejoin(self, holder: str, files: dict[int, tuple[int, int]]) -> dict:
+        """``holder`` (re)started: forget what it had open; files it was writing when it
+        stopped are published if an fsync acknowledged them (and its cache file holds at
+        least that: ``files`` maps ino -> (gen, size) of what it has), else kept out of the
+        under-storage, as on one host (VFS._recover_dirty)."""
+        out = {"reopened": 0, "unacknowledged": 0}
+        with self.lock:
+            for ino in [i for i, w in self.writers.items() if w[0] == holder]:
+                del self.writers[ino]
+            for key in list(self.ropens):
+                self.ropens[key].pop(holder, None)
+                if not self.ropens[key]:
+                    del self.ropens[key]
+            txn = self.meta.txn()
+            journaled = []
+            for node in self.meta.inodes():
+                if node.is_dir or node.node != holder or not node.dirty:
+                    continue
+                have = files.get(node.ino)
+                if have is not None and have[0] == node.gen and node.synced >= 0 \
+                        and have[1] >= node.synced and node.nlink > 0:
+                    node.size = have[1]
+                    e = journal.journal_put(self.meta, txn, self.persister, node)
+                    e.node = holder
+                    txn.update_entry(e)
+                    node.dirty, node.synced, node.local = False, -1, ""
+                    journaled.append(node.ino)
+                    out["reopened"] += 1
+                else:
+                    node.dirty = False
+                    node.local = "open for writing on %s when it stopped, never fsynced" % holder
+                    out["unacknowledged"] += 1
+                txn.save(node)
+            txn.commit(sync=True)
+        if journaled:
+            self.persister.wake()
+        return out
+
+    def recover(self) -> dict:
+        """A new head: clean up half-done stages (the node-local half of recovery, cache
+        files against the namespace, is each node's own: ClientVFS.recover)."""
+        out = {"stages": 0}
+        with self.lock:
+            tokens = [e.token for e in self.meta.journal() if e.token]
+            orphans = self.meta.orphan_stages()
+        cleaned = set()
+        for token in tokens + orphans:
+            try:
+                self.under.cleanup(token)
+                cleaned.add(token)
+            except Exception as err:
+                log.warning("cleaning up after the stage %s failed: %s", token, err)
+        with self.lock:
+            txn = self.meta.txn()
+            for e in self.meta.journal():
+                if e.token and e.token in cleaned:
+                    e.token = ""
+                    txn.update_entry(e)
+                    out["stages"] += 1
+            for token in orphans:
+                if token in cleaned:
+                    txn.forget_stage(token)
+            for node in self.meta.inodes():
+                if node.nlink == 0 and not node.is_dir:
+                    txn.drop_inode(node.ino)
+            txn.commit(sync=True)
+        return out

@@ -1,0 +1,487 @@
+"""A node as a member of a cluster (``meta = "etcd://h1:2379,.../NAME"``).
+
+    member = Member(settings, cache, under, node_id)
+    vfs = member.vfs                      # what the mount serves (acache.cluster.client)
+
+It registers the node (a record + a leased alive key, acache.meta.cluster), serves its peer
+ops on ``listen`` (the node's cache files: ``data.*``; the namespace while it is the head:
+``ns.*``), and campaigns for the head role: the key ``head`` holds the id of the node that
+runs the namespace, attached to that node's lease, so it disappears TTL seconds after the
+head stops answering etcd, and another member takes over (opening the namespace KV fences
+the old head's writes off).  A namespace call waits for a head -- the next one, during a
+takeover -- for up to ``stall_timeout`` seconds, then fails with EIO and one log line.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+
+from acache.cluster.client import ClientVFS
+from acache.cluster.head import HeadVFS, attr_dict
+from acache.errors import AcacheError, FsError, MetaError
+from acache.fs.types import Ctx
+from acache.net.transport import FileRegion, PeerUnavailable, RemoteError, Reply, TransportError
+
+log = logging.getLogger("acache.cluster")
+LEASE_TTL = 3.0
+ENOTHEAD = errno.ESTALE          # "ask the head, I am not it (any more)"
+
+
+class Member:
+    def __init__(self, settings, cache, under, node_id: str) -> None:
+        from acache.meta.cluster import Cluster
+        from acache.meta.etcd import EtcdClient
+        from acache.net import transport_from_settings
+        self.settings, self.cache, self.under, self.node_id = settings, cache, under, node_id
+        self.stall = settings.stall_timeout
+        self.client = EtcdClient.from_url(settings.meta, stall_timeout=settings.stall_timeout)
+        self.cluster = Cluster(self.client)
+        self.head_key = self.client.prefix + b"head"
+        self.transport = transport_from_settings(settings)
+        self._conns: dict[str, object] = {}
+        self._addr: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self.head = None                  # a _Head while this node is the head
+        self._head_id: str | None = None
+        self._stop = threading.Event()
+        self.vfs = ClientVFS(node_id, cache, under, self.ns, self.conn, chunk_size=settings.chunk_size)
+        self.listener = self.transport.listen(settings.listen)
+        self.address = settings.advertise or self.listener.address
+        for op in ("read", "drop", "clean"):
+            self.listener.register(f"data.{op}", getattr(self, f"_data_{op}"))
+        self.listener.register("ns", self._serve_ns)
+        self.listener.start()
+        caps = ("rdma",) if self.transport.name == "rdma" and getattr(self.transport, "dev", None) else ()
+        self.registration = self.cluster.register(node_id, self.address, caps, ttl=LEASE_TTL)
+        self.vfs.recover()
+        self._campaign_once()
+        self._rejoin()
+        self._thread = threading.Thread(target=self._campaign, name="acache-head-campaign", daemon=True)
+        self._thread.start()
+
+    # -- peers ---------------------------------------------------------------------------
+    def address_of(self, node_id: str) -> str:
+        addr = self._addr.get(node_id)
+        if addr is None:
+            rec = self.client.get(self.cluster.node_key(node_id))
+            if rec is None:
+                raise PeerUnavailable(f"node {node_id} is not registered")
+            from acache.meta.cluster import NodeRecord
+            addr = self._addr[node_id] = NodeRecord.unpack(rec.value).address
+        return addr
+
+    def conn(self, node_id: str):
+        with self._lock:
+            c = self._conns.get(node_id)
+        if c is None:
+            c = self.transport.connect(self.address_of(node_id))
+            with self._lock:
+                if node_id in self._conns:
+                    c.close()
+                    c = self._conns[node_id]
+                else:
+                    self._conns[node_id] = c
+        return c
+
+    def _drop_conn(self, node_id: str) -> None:
+        with self._lock:
+            c = self._conns.pop(node_id, None)
+            self._addr.pop(node_id, None)
+        if c is not None:
+            c.close()
+
+    def peers(self) -> list[dict]:
+        out = []
+        for m in self.cluster.members():
+            c = self._conns.get(m.record.id)
+            out.append({"id": m.record.id, "address": m.record.address, "alive": m.alive,
+                        "head": m.record.id == self._head_id,
+                        "transport": "self" if m.record.id == self.node_id else
+                        (c.path if c is not None else "not connected")})
+        return out
+
+    # -- the cache files of this node, for peers ------------------------------------------
+    def _data_read(self, meta: dict, payload) -> Reply:
+        ino, gen, off, n = meta.get("ino"), meta.get("gen"), meta.get("offset"), meta.get("length")
+        if not all(isinstance(v, int) and v >= 0 for v in (ino, gen, off, n)):
+            raise OSError(errno.EINVAL, "bad read request")
+        try:
+            fd = self.cache.acquire(ino, gen)
+        except FileNotFoundError:
+            raise OSError(errno.ENOENT, f"inode {ino} generation {gen} is not cached here") from None
+        import os
+        size = os.fstat(fd).st_size
+        return Reply({}, FileRegion(fd, off, max(0, min(n, size - off)),
+                                    release=lambda: self.cache.release(ino, gen)))
+
+    def _data_drop(self, meta: dict, payload) -> dict:
+        self.vfs.drop(int(meta["ino"]), int(meta["gen"]))
+        return {}
+
+    def _data_clean(self, meta: dict, payload) -> dict:
+        self.vfs.clean(int(meta["ino"]), int(meta["gen"]))
+        return {}
+
+    def notify(self, holder: str, what: str, ino: int, gen: int) -> None:
+        """The head tells a holder what became of its cache file (best effort, async)."""
+        if holder == self.node_id:
+            (self.vfs.drop if what == "drop" else self.vfs.clean)(ino, gen)
+            return
+
+        def send() -> None:
+            try:
+                self.conn(holder).request(f"data.{what}", {"ino": ino, "gen": gen}, timeout=10)
+            except (TransportError, OSError) as e:
+                log.debug("telling %s to %s inode %d: %s", holder, what, ino, e)
+        threading.Thread(target=send, daemon=True).start()
+
+    # -- the namespace ------------------------------------------------------------------------
+    def _serve_ns(self, meta: dict, payload) -> dict:
+        head = self.head
+        if head is None:
+            raise OSError(ENOTHEAD, "not the head")
+        try:
+            return head.call(str(meta["from"]), str(meta["op"]), meta.get("args") or {})
+        except FsError as e:
+            raise OSError(e.errno, str(e)) from None
+        except MetaError as e:
+            raise OSError(errno.EIO, str(e)) from None
+
+    def ns(self, op: str, **args) -> dict:
+        """One namespace operation at the head, wherever it is (see the module docstring)."""
+        deadline = time.monotonic() + self.stall
+        logged = False
+        while True:
+            head = self.head
+            if head is not None:
+                try:
+                    return head.call(self.node_id, op, args)
+                except MetaError as e:
+                    if self.head is head:
+                        log.error("metadata operation %s failed: %s", op, e)
+                        raise FsError(errno.EIO) from None
+                    # lost the head role meanwhile: ask the new one
+            else:
+                hid = self._head_id or self._read_head()
+                if hid is not None and hid != self.node_id:
+                    try:
+                        reply, _ = self.conn(hid).request(
+                            "ns", {"from": self.node_id, "op": op, "args": args},
+                            timeout=max(1.0, deadline - time.monotonic()))
+                        return reply
+                    except RemoteError as e:
+                        if e.errno != ENOTHEAD:
+                            raise FsError(e.errno) from None
+                        self._head_id = None
+                    except TransportError as e:
+                        if not logged:
+                            log.warning("the head %s does not answer (%s); waiting up to %.0f s",
+                                        hid, e, max(0, deadline - time.monotonic()))
+                            logged = True
+                        self._drop_conn(hid)
+                        self._head_id = None
+            if time.monotonic() > deadline:
+                log.error("no cluster head answered %s within %.0f s (stall_timeout): EIO", op,
+                          self.stall)
+                raise FsError(errno.EIO)
+            self._stop.wait(0.05)
+            self._campaign_once()
+
+    def _read_head(self) -> str | None:
+        try:
+            kv = self.client.get(self.head_key)
+        except MetaError:
+            return None
+        self._head_id = kv.value.decode() if kv is not None else None
+        return self._head_id
+
+    # -- the head role -------------------------------------------------------------------------
+    def _campaign_once(self) -> None:
+        from acache.meta.etcd import Compare, Put
+        if self.head is not None or self._stop.is_set():
+            return
+        try:
+            lease = self.registration.lease_id
+            res = self.client.txn([Compare.absent(self.head_key)],
+                                  [Put(self.head_key, self.node_id.encode(), lease)])
+            cur = self.client.get(self.head_key)
+        except MetaError as e:
+            log.debug("campaign: %s", e)
+            return
+        mine = cur is not None and cur.value == self.node_id.encode()
+        if cur is not None and cur.lease != lease and mine:
+            # ours from before a restart, on an old lease: take it over on the new one
+            self.client.txn([Compare.mod_revision(self.head_key, cur.mod_revision)],
+                            [Put(self.head_key, self.node_id.encode(), lease)])
+        if mine or res.succeeded:
+            try:
+                self.head = _Head(self)
+                self._head_id = self.node_id
+                log.info("this node (%s) is the cluster's head now", self.node_id)
+            except Exception as e:
+                log.error("taking the head role failed: %s", e)
+                self.client.txn([Compare.value(self.head_key, self.node_id.encode())],
+                                [_delete(self.head_key)])
+        else:
+            self._head_id = cur.value.decode() if cur is not None else None
+
+    def _campaign(self) -> None:
+        while not self._stop.wait(0.5):
+            if self.head is not None:
+                try:
+                    cur = self.client.get(self.head_key)
+                except MetaError:
+                    continue
+                if cur is None or cur.value != self.node_id.encode():
+                    log.error("this node lost the head role (its lease expired): stepping down")
+                    head, self.head = self.head, None
+                    head.close()
+            else:
+                self._campaign_once()
+
+    def _rejoin(self) -> None:
+        files = [[ino, gen, size] for ino, (gen, size) in self.vfs.local_files().items()]
+        try:
+            out = self.ns("rejoin", files=files)
+        except FsError as e:
+            log.error("rejoining the cluster's head failed (%s); cache files stay dirty", e)
+            return
+        for ino, gen in out.get("clean", []):
+            self.vfs.clean(ino, gen)
+        for ino, gen in out.get("drop", []):
+            self.vfs.drop(ino, gen)
+        log.info("rejoined the cluster: %s", {k: v for k, v in out.items() if k not in ("clean", "drop")})
+
+    def close(self) -> None:
+        self._stop.set()
+        head, self.head = self.head, None
+        if head is not None:
+            head.close()
+            try:
+                from acache.meta.etcd import Compare
+                self.client.txn([Compare.value(self.head_key, self.node_id.encode())],
+                                [_delete(self.head_key)])
+            except MetaError:
+                pass
+        try:
+            self.registration.stop()
+        except Exception:
+            pass
+        self.listener.close()
+        for c in list(self._conns.values()):
+            c.close()
+        self.client.close()
+
+
+def _delete(key: bytes):
+    from acache.meta.etcd import Delete
+    return Delete(key)
+
+
+class _Head:
+    """The namespace, while this node is the head."""
+
+    def __init__(self, member: Member) -> None:
+        from acache.data.persister import Persister
+        from acache.meta.kv_etcd import EtcdKV
+        from acache.meta.store import MetaStore
+        s = member.settings
+        self.member = member
+        self.kv = EtcdKV(member.client, member.client.prefix + b"ns/")
+        self.meta = MetaStore(self.kv)
+        self.persister = Persister(self.meta, member.cache, member.under,
+                                   flush_delay=s.flush_delay, concurrency=s.upload_concurrency)
+        self.vfs = HeadVFS(self.meta, member.cache, member.under, self.persister,
+                           node_id=member.node_id, notify=member.notify, chunk_size=s.chunk_size)
+        self.persister.pull = self._pull
+        self.cache = member.cache
+        rec = self.vfs.recover()
+        if any(rec.values()):
+            log.info("head: recovered %s", rec)
+        self.persister.start()
+
+    def close(self) -> None:
+        try:
+            self.persister.stop()
+        finally:
+            self.kv.close()
+
+    def _pull(self, e) -> None:
+        """Copy the bytes of PUT ``e`` from its holder into this cache (before staging)."""
+        import os
+        from acache.errors import UnderStoreError
+        holder = e.node
+        if not holder or holder == self.member.node_id or e.size == 0:
+            if not self.cache.exists(e.ino, e.gen):
+                self.cache.create_empty(e.ino, e.gen)
+            return
+        path = self.cache.path(e.ino, e.gen)
+        if self.cache.exists(e.ino, e.gen) and os.stat(path).st_size >= e.size:
+            return
+        fd = self.cache.acquire(e.ino, e.gen, create=True, write=True)
+        try:
+            self.vfs.fetch.forget(e.ino, e.gen)
+            reader = self.member.vfs._reader({"gen": e.gen, "holder": holder, "cached": True}, e.ino)
+            try:
+                self.vfs.fetch.fetch_all(e.ino, e.gen, fd, lambda: e.path, e.size, reader=reader)
+            except FsError as err:
+                raise UnderStoreError(f"copying {e.path} from {holder}: {err}", retryable=True) from None
+            self.vfs.fetch.forget(e.ino, e.gen)
+        finally:
+            self.cache.release(e.ino, e.gen, write=True)
+        self.cache.note(e.ino, e.gen, dirty=True)
+
+    # -- the ops -------------------------------------------------------------------------------
+    def call(self, frm: str, op: str, a: dict) -> dict:
+        fn = getattr(self, "op_" + op, None)
+        if fn is None:
+            raise FsError(errno.ENOSYS)
+        return fn(frm, a)
+
+    @staticmethod
+    def _ctx(a: dict) -> Ctx:
+        return Ctx(**(a.get("ctx") or {}))
+
+    def op_lookup(self, frm, a):
+        return attr_dict(self.vfs.lookup(a["parent"], a["name"]))
+
+    def op_getattr(self, frm, a):
+        return attr_dict(self.vfs.getattr(a["ino"]))
+
+    def op_setattr(self, frm, a):
+        return attr_dict(self.vfs.setattr(a["ino"], self._ctx(a), None, mode=a.get("mode"),
+                                          uid=a.get("uid"), gid=a.get("gid"),
+                                          atime_ns=a.get("atime_ns"), mtime_ns=a.get("mtime_ns")))
+
+    def op_mkdir(self, frm, a):
+        return attr_dict(self.vfs.mkdir(a["parent"], a["name"], a["mode"], self._ctx(a)))
+
+    def op_symlink(self, frm, a):
+        return attr_dict(self.vfs.symlink(a["parent"], a["name"], a["target"], self._ctx(a)))
+
+    def op_mknod(self, frm, a):
+        return attr_dict(self.vfs.mknod(a["parent"], a["name"], a["mode"], a["rdev"], self._ctx(a)))
+
+    def op_readlink(self, frm, a):
+        return {"target": self.vfs.readlink(a["ino"])}
+
+    def op_unlink(self, frm, a):
+        self.vfs.unlink(a["parent"], a["name"])
+        return {}
+
+    def op_rmdir(self, frm, a):
+        self.vfs.rmdir(a["parent"], a["name"])
+        return {}
+
+    def op_rename(self, frm, a):
+        self.vfs.rename(a["parent_old"], a["name_old"], a["parent_new"], a["name_new"], a["flags"])
+        return {}
+
+    def op_readdir(self, frm, a):
+        fh = self.vfs.opendir(a["ino"])
+        try:
+            out, off = [], 0
+            while True:
+                part = self.vfs.readdir(fh, off)
+                if not part:
+                    break
+                out += [[n, attr_dict(at)] for n, at, _ in part]
+                off = part[-1][2]
+            return {"entries": out}
+        finally:
+            self.vfs.releasedir(fh)
+
+    def op_sync(self, frm, a):
+        self.meta.sync()
+        return {}
+
+    def op_getxattr(self, frm, a):
+        return {"value": self.vfs.getxattr(a["ino"], a["name"])}
+
+    def op_setxattr(self, frm, a):
+        self.vfs.setxattr(a["ino"], a["name"], b"")
+        return {}
+
+    def op_removexattr(self, frm, a):
+        self.vfs.removexattr(a["ino"], a["name"])
+        return {}
+
+    def op_create(self, frm, a):
+        return self.vfs.create_file(a["parent"], a["name"], a["mode"], a["flags"], self._ctx(a), frm)
+
+    def op_open_write(self, frm, a):
+        return self.vfs.open_write(a["ino"], bool(a["trunc"]), frm)
+
+    def op_open_read(self, frm, a):
+        return self.vfs.open_read(a["ino"], frm)
+
+    def op_copied(self, frm, a):
+        self.vfs.copied(a["ino"], a["gen"])
+        return {}
+
+    def op_close(self, frm, a):
+        self.vfs.close_write(a["ino"], a["gen"], frm, a["size"], a["mtime_ns"], a["ctime_ns"])
+        return {}
+
+    def op_end_write(self, frm, a):
+        self.vfs.end_write(a["ino"], a["gen"], frm)
+        return {}
+
+    def op_end_read(self, frm, a):
+        self.vfs.end_read(a["ino"], a["gen"], frm)
+        return {}
+
+    def op_fsync(self, frm, a):
+        self.vfs.sync_write(a["ino"], a["gen"], frm, a["size"], a["mtime_ns"])
+        return {}
+
+    def op_evict(self, frm, a):
+        return {"ok": self.vfs.evict(a["ino"], a["gen"], frm)}
+
+    def op_rejoin(self, frm, a):
+        files = {int(ino): (int(gen), int(size)) for ino, gen, size in a.get("files", [])}
+        out = self.vfs.rejoin(frm, files)
+        clean, drop = [], []
+        with self.meta.lock:
+            for ino, (gen, _) in files.items():
+                node = self.meta.get(ino)
+                if self.meta.gen_pending(ino, gen):
+                    continue
+                if node is not None and node.gen == gen:
+                    if not node.dirty and not node.local and not self.meta.puts_of(ino) \
+                            and node.upath is not None:
+                        clean.append([ino, gen])
+                elif node is not None and gen < node.gen:
+                    drop.append([ino, gen])
+        out.update(clean=clean, drop=drop)
+        return out
+
+    def op_flush(self, frm, a):
+        from acache.node.daemon import Node
+        rel = a.get("path") or ""
+        self.meta.begin_barrier()
+        try:
+            return Node._flush_wait(self, rel, a.get("timeout"), None, time.monotonic())
+        finally:
+            self.meta.end_barrier()
+
+    _under = staticmethod(lambda path, rel: not rel or path == rel or path.startswith(rel + "/"))
+
+    def op_status(self, frm, a):
+        meta, p = self.meta, self.persister
+        with meta.lock:
+            journal = meta.journal()
+            blocked = ""
+            if journal:
+                head = journal[0]
+                if head.node and head.node != self.member.node_id and p.last_error:
+                    blocked = head.node
+            return {"head": self.member.node_id, "queue": len(journal),
+                    "queue_bytes": sum(e.size for e in journal),
+                    "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
+                    "persisted_files": p.files_done, "last_error": p.last_error,
+                    "failed": len(p.failed), "blocked_by": blocked,
+                    "oldest": ({"seq": journal[0].seq, "op": journal[0].op, "path": journal[0].path,
+                                "node": journal[0].node} if journal else None)}
