@@ -42,6 +42,7 @@ class _Handle:
     complete: bool = True         # the local cache file holds the whole generation
     reader: Callable | None = None
     closed: bool = False
+    append: bool = False          # O_APPEND: every write lands at the end of what is here
 
 
 @dataclass
@@ -53,6 +54,8 @@ class _Writing:
 
 
 class ClientVFS:
+    shared = True          # the mount engines: other hosts change this namespace too
+
     def __init__(self, node_id: str, cache, under, ns: Callable[..., dict],
                  peer: Callable[[str], object], *, chunk_size: int = 8 << 20) -> None:
         from acache.data.readthrough import ReadThrough
@@ -68,6 +71,7 @@ class ClientVFS:
         self._dirs: dict[int, list] = {}
         self._complete: set[tuple[int, int]] = set()   # local copies known whole
         self._drop_later: set[tuple[int, int]] = set()
+        self._ino_locks: dict[int, threading.Lock] = {}
         cache.evict_hook = self._evict
 
     # -- helpers ------------------------------------------------------------------------
@@ -258,11 +262,20 @@ class ClientVFS:
         finally:
             self.ns("copied", ino=ino, gen=old)
 
+    def _ino_lock(self, ino: int) -> threading.Lock:
+        """Held across a write open's or its last release's call to the head, so that the
+        head's one write session per node and this node's handles stay in step."""
+        with self.lock:
+            lk = self._ino_locks.get(ino)
+            if lk is None:
+                lk = self._ino_locks[ino] = threading.Lock()
+            return lk
+
     def _open_write(self, ino: int, r: dict) -> int:
         gen = r["gen"]
         with self.lock:
             w = self._wopen.get(ino)
-            fresh = w is None or w.gen != gen
+            fresh = not r.get("same") and (w is None or w.gen != gen)
         if fresh:
             try:
                 self.cache.create_empty(ino, gen)
@@ -272,13 +285,13 @@ class ClientVFS:
                 self.ns("end_write", ino=ino, gen=gen)
                 raise
         elif r.get("trunc"):
-            os.truncate(self.cache.path(ino, gen), 0)
+            os.truncate(self.cache.path(ino, gen), 0)   # O_TRUNC of what this node writes
         fd = self.cache.acquire(ino, gen, create=True, write=True)
         self.cache.note(ino, gen, dirty=True)
         h = _Handle(0, ino, gen, fd, True)
         fh = self._new(h)
         with self.lock:
-            if fresh:
+            if ino not in self._wopen:
                 self._wopen[ino] = _Writing(gen, fd)
             w = self._wopen[ino]
             w.handles.add(fh)
@@ -289,7 +302,9 @@ class ClientVFS:
     def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, object]:
         self.cache.wait_for_room()
         r = self.ns("create", parent=parent, name=name, mode=mode, flags=flags, ctx=_ctx(ctx))
-        fh = self._open_write(r["ino"], r)
+        r["trunc"] = bool(flags & os.O_TRUNC)
+        with self._ino_lock(r["ino"]):
+            fh = self._open_write(r["ino"], r)
         return fh, self._overlay(self._attr(r["attr"]))
 
     def open(self, ino: int, flags: int, ctx=None) -> int:
@@ -297,9 +312,12 @@ class ClientVFS:
         if writable:
             self.cache.wait_for_room()
             trunc = bool(flags & os.O_TRUNC)
-            r = self.ns("open_write", ino=ino, trunc=trunc)
-            r["trunc"] = trunc
-            return self._open_write(ino, r)
+            with self._ino_lock(ino):
+                r = self.ns("open_write", ino=ino, trunc=trunc)
+                r["trunc"] = trunc
+                fh = self._open_write(ino, r)
+            self._handles[fh].append = bool(flags & os.O_APPEND)
+            return fh
         with self.lock:
             w = self._wopen.get(ino)
             if w is not None:            # written here: read what is being written
@@ -346,13 +364,24 @@ class ClientVFS:
         h = self._handle(fh)
         if not h.writable:
             raise FsError(errno.EBADF)
+        if h.append:
+            return self._append(h, data)
         n = os.pwrite(h.fd, data, offset)
+        self.cache.grow(h.ino, h.gen, offset + n)
+        return n
+
+    def _append(self, h: _Handle, data) -> int:
+        """O_APPEND: the kernel's offset is its cached size, which another host's close may
+        have made stale; the end of the file is the end of this node's copy."""
+        with self._ino_lock(h.ino):
+            offset = os.fstat(h.fd).st_size
+            n = os.pwrite(h.fd, data, offset)
         self.cache.grow(h.ino, h.gen, offset + n)
         return n
 
     def write_fast(self, fh: int, offset: int, data) -> int | None:
         h = self._handles.get(fh)
-        if h is None or not h.writable or not self.cache.has_room(len(data)):
+        if h is None or not h.writable or h.append or not self.cache.has_room(len(data)):
             return None
         n = os.pwrite(h.fd, data, offset)
         self.cache.account(h.ino, h.gen, offset + n)
@@ -435,7 +464,11 @@ class ClientVFS:
             if h.writable and not h.closed:
                 self.flush_handle_on_release(h)
             if ended:
-                self.ns("end_write", ino=h.ino, gen=h.gen)
+                with self._ino_lock(h.ino):
+                    with self.lock:
+                        reopened = h.ino in self._wopen
+                    if not reopened:     # else a new open took the session over meanwhile
+                        self.ns("end_write", ino=h.ino, gen=h.gen)
             elif not h.writable:
                 self.ns("end_read", ino=h.ino, gen=h.gen)
         finally:

@@ -53,7 +53,8 @@ class HeadVFS(VFS):
         cache.evict_hook = hook          # the node's ClientVFS owns its cache directory
         self.node_id = node_id
         self.notify = notify             # (holder, "drop"|"clean", ino, gen), best effort
-        # ino -> [node, write sessions of that node]; (ino, gen) -> {node: opens}
+        # ino -> [the node writing it] (one session per node: ClientVFS counts its
+        # handles); (ino, gen) -> {node: read opens}
         self.writers: dict[int, list] = {}
         self.ropens: dict[tuple[int, int], dict[str, int]] = {}
         self.pinned: dict[tuple[int, int], int] = {}   # old gens a writer copies from
@@ -119,7 +120,6 @@ class HeadVFS(VFS):
             self._busy(ino, holder)
             w = self.writers.get(ino)
             if w is not None:            # the node opens it again: the same session
-                w[1] += 1
                 if trunc:
                     node.size = 0
                 return {"gen": node.gen, "same": True, "src": None, "attr": attr_dict(self.attr(node))}
@@ -210,9 +210,6 @@ class HeadVFS(VFS):
         with self.lock:
             w = self.writers.get(ino)
             if w is None or w[0] != holder:
-                return
-            w[1] -= 1
-            if w[1] > 0:
                 return
             del self.writers[ino]
             node = self.meta.get(ino)

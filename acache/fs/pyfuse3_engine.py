@@ -132,7 +132,17 @@ class Ops(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh), _entry(attr)
 
     async def open(self, inode, flags, ctx):
-        return pyfuse3.FileInfo(fh=await self._call(self.vfs.open, inode, flags, _ctx(ctx)))
+        fh = await self._call(self.vfs.open, inode, flags, _ctx(ctx))
+        if getattr(self.vfs, "shared", False):
+            # other hosts change files too (acache.cluster): close-to-open means this open
+            # sees their size, so the kernel's cached attributes go (not its pages)
+            try:
+                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, True,
+                                              limiter=self.limiter)
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, errno.ENOSYS):
+                    log.warning("dropping the kernel's cached attributes of inode %d: %s", inode, e)
+        return pyfuse3.FileInfo(fh=fh)
 
     async def read(self, fh, off, size):
         try:    # a pread of cached data, mostly from the page cache: inline too

@@ -79,6 +79,7 @@ class NativeEngine:
                             attr_timeout=self.attr_timeout)
             session.handlers = self._ops.handlers
             self._ops.drop_pages = session.drop_pages
+            self._ops.inval_attr = session.inval_attr
             self._session = session
             session.start(name=f"acache-fuse{self._conn[1] if self._conn else ''}")
         except BaseException:

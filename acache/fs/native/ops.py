@@ -48,6 +48,10 @@ class Ops:
         self._fsyncdir = getattr(vfs, "fsyncdir", None)     # optional VFS capabilities
         self._mknod = getattr(vfs, "mknod", None)
         self._handle_ino = getattr(vfs, "handle_ino", None)
+        # a namespace other hosts change too (acache.cluster): no kept directory listings,
+        # attributes dropped at every open
+        self.shared = bool(getattr(vfs, "shared", False))
+        self.inval_attr = None
         self._symlink = getattr(vfs, "symlink", None)
         self._fallocate = getattr(vfs, "fallocate", None)
         self.drop_pages = None      # set by the engine: the kernel's pages of an inode dropped
@@ -284,6 +288,10 @@ class Ops:
     def open(self, req: Request):
         flags, open_flags = proto.OPEN_IN.unpack_from(req.body)
         fh = self.vfs.open(req.nodeid, flags, req.ctx())
+        if self.shared and self.inval_attr is not None:
+            # another host may have changed the file since the kernel cached its size:
+            # close-to-open means this open must see it (a read past a stale size is cut)
+            self.inval_attr(req.nodeid)
         try:
             # Under passthrough we never see the writes that should drop setuid/setgid
             # (HANDLE_KILLPRIV_V2 leaves that to us), so an unprivileged write open does.
@@ -355,8 +363,9 @@ class Ops:
         # The kernel may keep the listing across opens: every change of a directory's
         # entries comes through the kernel (which then drops it) or, for a directory's
         # under-storage entries, before its first listing (opendir merges them)
-        return Reply(proto.OPEN_OUT.pack(fh, proto.FOPEN_CACHE_DIR | proto.FOPEN_KEEP_CACHE, 0),
-                     undo)
+        # (not in a cluster: other hosts change directories behind this kernel's back)
+        keep = 0 if self.shared else proto.FOPEN_CACHE_DIR | proto.FOPEN_KEEP_CACHE
+        return Reply(proto.OPEN_OUT.pack(fh, keep, 0), undo)
 
     def releasedir(self, req: Request):
         fh = proto.RELEASE_IN.unpack_from(req.body)[0]

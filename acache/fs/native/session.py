@@ -179,6 +179,17 @@ class Session:
                     self._notifier.start()
         self._notices.put(ino)
 
+    def inval_attr(self, ino: int) -> None:
+        """Make the kernel drop its cached attributes of ``ino`` now (not its pages: no page
+        lock is taken, so this is safe from a request thread, even one serving ``ino``)."""
+        body = proto.NOTIFY_INVAL_INODE_OUT
+        try:
+            os.writev(self.devfd, [proto.out_header(0, proto.NOTIFY_INVAL_INODE, body.size),
+                                   body.pack(ino, -1, 0)])
+        except OSError as e:   # ENOENT: the kernel does not know the inode (any more)
+            if e.errno not in (errno.ENOENT, errno.ENODEV, errno.ECONNABORTED, errno.EBADF):
+                log.warning("dropping the kernel's cached attributes of inode %d: %s", ino, e)
+
     def _notify_loop(self) -> None:
         body = proto.NOTIFY_INVAL_INODE_OUT
         while not self.ended.is_set():
