@@ -28,6 +28,9 @@ Gotchas:
   in the test's /proc/mounts and can be read and unmounted from the test.  ``ip netns exec``
   would not do: it also unshares the mount namespace (to remount /sys), and a mount made
   under it is invisible outside.
+  Both engines mount with mount(2) as root (libfuse would fall back to fusermount3, which
+  would run in the same two namespaces); ``umount -l`` and the FUSE connection's abort file
+  (wait_gone_after_sigkill) work from the test as for a node on the root namespace.
 * The control socket of a node is a path-bound unix socket: it answers from any network
   namespace, so ``AcacheNode.pid()`` works from the test.  Its TCP addresses do not.
 * ``link_down`` downs the host's bridge port: the host's eth0 loses carrier, nothing is
@@ -171,17 +174,23 @@ class Hosts:
         _run("ip", "-n", ns, "link", "set", "lo", "up")
 
     def __exit__(self, *exc) -> None:
-        for node in self._nodes:
-            node.stop()
-        for c in self._etcds:
-            c.stop()
-        for p in self._procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
-        for ns in reversed(self._made):
-            _reap_netns(ns)
+        """Best effort at every step (a failing one does not keep the rest from running);
+        the first error is raised at the end."""
+        steps = [node.stop for node in self._nodes if not node.stopped]
+        steps += [c.stop for c in self._etcds]
+        steps += [p.kill for p in self._procs if p.poll() is None]
+        steps += [lambda p=p: p.wait(10) for p in self._procs]
+        steps += [lambda ns=ns: _reap_netns(ns) for ns in reversed(self._made)]
+        first: BaseException | None = None
+        for step in steps:
+            try:
+                step()
+            except BaseException as e:  # noqa: B036 - re-raised below, after the rest
+                first = first or e
         self._made.clear()
+        self._procs.clear()
+        if first is not None and exc[0] is None:
+            raise first
 
     def reap_stale(self) -> list[str]:
         """Delete namespaces of this prefix whose creating process is dead; their names."""
@@ -303,7 +312,20 @@ class ClusterNode(AcacheNode):
             self.ufs_dir = Path(ufs.removeprefix("file://"))
         self.hosts, self.host = hosts, host
         self.argv_prefix = hosts.enter(host)
+        self.stopped = True          # nothing to stop at Hosts exit until started
         hosts._nodes.append(self)
+
+    def start(self) -> ClusterNode:
+        self.stopped = False
+        return super().start()
+
+    def restart(self) -> None:
+        self.stopped = False
+        super().restart()
+
+    def stop(self) -> None:
+        super().stop()
+        self.stopped = True
 
     @property
     def addr(self) -> str:

@@ -175,16 +175,18 @@ def _netns_inode(path: str) -> int:
 
 
 def test_nodes_in_hosts_mount_and_serve(tmp_path):
-    """Two single-host nodes (no meta key), each started in its own host over one shared
-    under-storage directory: each daemon lives in its host's namespace, each mount shows in
-    the test's mount table, files written through one mount read back, flush lands them;
-    kill -9 with a file not yet persisted, restart, flush: it lands."""
+    """Two single-host nodes (no meta key; node 0 on pyfuse3, node 1 on the native engine),
+    each started in its own host over one shared under-storage directory: each daemon lives
+    in its host's network namespace and the test's mount namespace, each mount shows in the
+    test's mount table, files written through a mount read back, flush lands them; kill -9
+    of node 1 with its file not yet persisted, restart, flush: it lands."""
     need_hosts(fuse=True)
     shared = tmp_path / "shared"
     shared.mkdir()
     secret = write_secret(tmp_path / "secret")
     with Hosts(2, tag="tn") as hosts:
         nodes = [ClusterNode(hosts, i, tmp_path / f"n{i}", f"file://{shared}", flush_delay=30,
+                             engine=("pyfuse3", "native")[i],
                              config={"listen": f"{hosts.addr(i)}:7470", "advertise":
                                      f"{hosts.addr(i)}:7470", "secret_file": secret})
                  for i in range(2)]
