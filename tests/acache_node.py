@@ -59,6 +59,7 @@ class AcacheNode:
         self.ufs_dir = self.root / "ufs"
         self.ufs = ufs or f"file://{self.ufs_dir}"
         self.engine = engine
+        self.argv_prefix: list[str] = []    # e.g. nsenter --net=...: where the CLI runs
         self.mnt.mkdir(parents=True, exist_ok=True)
         # engine mode "native-nopt": the native engine with kernel passthrough off
         mode = {"ACACHE_ENGINE": "native", "ACACHE_PASSTHROUGH": "0"} if engine == "native-nopt" \
@@ -73,8 +74,8 @@ class AcacheNode:
     # -- the CLI --------------------------------------------------------------------
     def cli(self, *args: str, check: bool = True, timeout: float = 120,
             input: str | None = None) -> subprocess.CompletedProcess:
-        p = subprocess.run([*ACACHE, *args], env=self.env, capture_output=True, text=True,
-                           errors="surrogateescape",
+        p = subprocess.run([*self.argv_prefix, *ACACHE, *args], env=self.env,
+                           capture_output=True, text=True, errors="surrogateescape",
                            timeout=timeout, input=input)
         if check and p.returncode != 0:
             raise AssertionError(f"acache {' '.join(args)} failed ({p.returncode}):\n"

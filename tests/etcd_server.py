@@ -5,6 +5,10 @@ Fixtures (pytest plugin, loaded by tests/conftest.py):
     etcd3          a fresh three-member cluster per test (failover tests kill members)
     etcd_name      a unique cluster name (key prefix) for one test
 
+Members can live in network namespaces (tests/cluster_hosts.Hosts.etcd): ``where`` gives each
+member a host address and the namespace path it runs in (via nsenter); its ports are then
+2379/2380 on that address, and its health is probed from inside that namespace.
+
 Without /usr/bin/etcd (Debian: etcd-server) the tests skip with the reason; with
 ACACHE_TEST_REQUIRE_ALL=1 they fail instead.
 """
@@ -43,28 +47,48 @@ def need_etcd() -> str:
 
 
 class Member:
-    def __init__(self, name: str, root: Path) -> None:
+    def __init__(self, name: str, root: Path, host: str = "127.0.0.1",
+                 netns: str | None = None) -> None:
         self.name = name
         self.dir = root / name
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
+        self.host = host
+        self.netns = netns         # e.g. /run/netns/NAME: the member runs (and is probed) there
+        # a namespace has ports of its own; on the shared loopback, take free ones
+        self.client_port = 2379 if netns else _free_port()
+        self.peer_port = 2380 if netns else _free_port()
         self.proc: subprocess.Popen | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
+
+    def healthy(self) -> bool:
+        def probe() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
+                    return b'"health":"true"' in r.read()
+            except OSError:
+                return False
+        if self.netns is None:
+            return probe()
+        from tests.netns import run_in_netns
+        return run_in_netns(self.netns, probe, timeout=10)
 
 
 class EtcdCluster:
-    def __init__(self, root: Path, n: int = 1) -> None:
+    def __init__(self, root: Path, n: int = 1,
+                 where: list[tuple[str, str]] | None = None) -> None:
+        """``where``: (host address, netns path) of each member; None: all on 127.0.0.1."""
         self.etcd = need_etcd()
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
-        self.members = [Member(f"m{i}", root) for i in range(n)]
+        assert where is None or len(where) == n, "one (address, netns) per member"
+        self.members = [Member(f"m{i}", root, *(where[i] if where else ()))
+                        for i in range(n)]
         self.token = uuid.uuid4().hex[:12]
 
     @property
@@ -84,8 +108,9 @@ class EtcdCluster:
         for m in todo:
             assert m.proc is None or m.proc.poll() is not None, f"{m.name} is running"
             log = open(self.root / f"{m.name}.log", "ab")
+            enter = ["nsenter", f"--net={m.netns}", "--"] if m.netns else []
             m.proc = subprocess.Popen(
-                [self.etcd, "--name", m.name, "--data-dir", str(m.dir),
+                [*enter, self.etcd, "--name", m.name, "--data-dir", str(m.dir),
                  "--listen-client-urls", f"http://{m.endpoint}",
                  "--advertise-client-urls", f"http://{m.endpoint}",
                  "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
@@ -104,12 +129,8 @@ class EtcdCluster:
                 if m.proc is not None and m.proc.poll() is not None:
                     raise RuntimeError(f"etcd {m.name} exited {m.proc.returncode}: "
                                        f"{(self.root / (m.name + '.log')).read_text()[-2000:]}")
-                try:
-                    with urllib.request.urlopen(f"http://{m.endpoint}/health", timeout=1) as r:
-                        if b'"health":"true"' in r.read():
-                            break
-                except OSError:
-                    pass
+                if m.healthy():
+                    break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"etcd {m.name} not healthy after {timeout}s")
                 time.sleep(0.05)
@@ -121,6 +142,9 @@ class EtcdCluster:
             member.proc.wait(10)
 
     def leader(self) -> Member:
+        """The raft leader, asked from this process: loopback members only (for members in
+        namespaces, ask from inside a host: tests/cluster/etcd_probe.py)."""
+        assert not any(m.netns for m in self.members), "leader(): members live in namespaces"
         from acache.meta.etcd import EtcdClient
         c = EtcdClient(self.endpoints)
         try:

@@ -101,19 +101,26 @@ class VethPair:
     def run_in(self, side: str, fn, *args, timeout: float = 300.0):
         """``fn(*args)`` on a new thread living in the namespace (threads it starts live there
         too; nothing else of this process moves); its result, or its exception re-raised."""
-        out: dict = {}
+        return run_in_netns(f"/run/netns/{self.ns(side)}", fn, *args, timeout=timeout)
 
-        def body() -> None:
-            try:
-                setns(f"/run/netns/{self.ns(side)}")
-                out["r"] = fn(*args)
-            except BaseException as e:  # noqa: B036 - handed to the caller
-                out["e"] = e
-        t = threading.Thread(target=body, name=f"in-netns-{side}")
-        t.start()
-        t.join(timeout)
-        if t.is_alive():
-            raise TimeoutError(f"{fn.__name__} still running in {self.ns(side)} after {timeout}s")
-        if "e" in out:
-            raise out["e"]
-        return out.get("r")
+
+def run_in_netns(path: str, fn, *args, timeout: float = 300.0):
+    """``fn(*args)`` on a new thread moved into the network namespace at ``path`` (sockets it
+    opens, and threads it starts, live there; nothing else of this process moves); its
+    result, or its exception re-raised."""
+    out: dict = {}
+
+    def body() -> None:
+        try:
+            setns(path)
+            out["r"] = fn(*args)
+        except BaseException as e:  # noqa: B036 - handed to the caller
+            out["e"] = e
+    t = threading.Thread(target=body, name=f"in-netns-{os.path.basename(path)}", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"{getattr(fn, '__name__', fn)} still running in {path} after {timeout}s")
+    if "e" in out:
+        raise out["e"]
+    return out.get("r")
