@@ -144,7 +144,13 @@ class ClientVFS:
                 name_new=name_new, flags=flags)
 
     def opendir(self, ino: int, ctx: Ctx | None = None) -> int:
-        entries = [(n, self._attr(a)) for n, a in self.ns("readdir", ino=ino)["entries"]]
+        entries, offset = [], 0
+        while True:
+            r = self.ns("readdir", ino=ino, offset=offset)
+            entries += [(n, self._attr(a)) for n, a in r["entries"]]
+            if not r.get("more"):
+                break
+            offset = r["next"]
         with self.lock:
             self._fh += 1
             self._dirs[self._fh] = entries

@@ -41,6 +41,8 @@ class Member:
         self.head_key = self.client.prefix + b"head"
         self.transport = transport_from_settings(settings)
         self._conns: dict[str, object] = {}
+        self._rid = 0
+        self._boot = f"{time.time_ns():x}"
         self._addr: dict[str, str] = {}
         self._lock = threading.Lock()
         self.head = None                  # a _Head while this node is the head
@@ -143,7 +145,8 @@ class Member:
         if head is None:
             raise OSError(ENOTHEAD, "not the head")
         try:
-            return head.call(str(meta["from"]), str(meta["op"]), meta.get("args") or {})
+            return head.call(str(meta["from"]), str(meta["op"]), meta.get("args") or {},
+                             str(meta.get("rid") or ""))
         except FsError as e:
             raise OSError(e.errno, str(e)) from None
         except MetaError as e:
@@ -153,6 +156,9 @@ class Member:
         """One namespace operation at the head, wherever it is (see the module docstring)."""
         deadline = time.monotonic() + self.stall
         logged = False
+        with self._lock:
+            self._rid += 1
+            rid = f"{self.node_id}:{self._boot}:{self._rid}"
         while True:
             head = self.head
             if head is not None:
@@ -168,7 +174,7 @@ class Member:
                 if hid is not None and hid != self.node_id:
                     try:
                         reply, _ = self.conn(hid).request(
-                            "ns", {"from": self.node_id, "op": op, "args": args},
+                            "ns", {"from": self.node_id, "op": op, "args": args, "rid": rid},
                             timeout=max(1.0, deadline - time.monotonic()))
                         return reply
                     except RemoteError as e:
@@ -297,6 +303,10 @@ class _Head:
                            node_id=member.node_id, notify=member.notify, chunk_size=s.chunk_size)
         self.persister.pull = self._pull
         self.cache = member.cache
+        from collections import OrderedDict
+        self._done_lock = threading.Lock()
+        self._done: OrderedDict = OrderedDict()
+        self._running: dict[str, threading.Event] = {}
         rec = self.vfs.recover()
         if any(rec.values()):
             log.info("head: recovered %s", rec)
@@ -334,11 +344,50 @@ class _Head:
         self.cache.note(e.ino, e.gen, dirty=True)
 
     # -- the ops -------------------------------------------------------------------------------
-    def call(self, frm: str, op: str, a: dict) -> dict:
+    def call(self, frm: str, op: str, a: dict, rid: str = "") -> dict:
+        """``rid``: the caller's id of this request; a request sent again (its reply was
+        lost: a dropped connection) gets the first answer back instead of running twice
+        (a second mkdir would say EEXIST).  Remembered for the last DONE_KEEP requests."""
         fn = getattr(self, "op_" + op, None)
         if fn is None:
             raise FsError(errno.ENOSYS)
-        return fn(frm, a)
+        if not rid:
+            return fn(frm, a)
+        with self._done_lock:
+            ev = self._running.get(rid)
+            if ev is None and rid in self._done:
+                return self._replay(rid)
+            if ev is None:
+                ev = self._running[rid] = threading.Event()
+                mine = True
+            else:
+                mine = False
+        if not mine:                     # the first copy is still running: wait for it
+            ev.wait()
+            with self._done_lock:
+                return self._replay(rid)
+        result: tuple = (False, FsError(errno.EIO))
+        try:
+            result = (True, fn(frm, a))
+        except FsError as e:
+            result = (False, e)
+        finally:                         # an unexpected error: EIO for a copy sent again
+            with self._done_lock:
+                self._done[rid] = result
+                while len(self._done) > self.DONE_KEEP:
+                    self._done.popitem(last=False)
+                self._running.pop(rid, None)
+            ev.set()
+        with self._done_lock:
+            return self._replay(rid)
+
+    DONE_KEEP = 8192
+
+    def _replay(self, rid: str) -> dict:
+        ok, v = self._done[rid]
+        if ok:
+            return v
+        raise v
 
     @staticmethod
     def _ctx(a: dict) -> Ctx:
@@ -379,17 +428,16 @@ class _Head:
         self.vfs.rename(a["parent_old"], a["name_old"], a["parent_new"], a["name_new"], a["flags"])
         return {}
 
+    READDIR_PAGE = 2000          # entries per reply: far below the transport's 1 MiB of meta
+
     def op_readdir(self, frm, a):
+        """One page of a directory's entries from ``offset`` (``more``: ask again from ``next``)."""
         fh = self.vfs.opendir(a["ino"])
         try:
-            out, off = [], 0
-            while True:
-                part = self.vfs.readdir(fh, off)
-                if not part:
-                    break
-                out += [[n, attr_dict(at)] for n, at, _ in part]
-                off = part[-1][2]
-            return {"entries": out}
+            part = self.vfs.readdir(fh, int(a.get("offset", 0)))
+            page = part[:self.READDIR_PAGE]
+            return {"entries": [[n, attr_dict(at)] for n, at, _ in page],
+                    "next": page[-1][2] if page else 0, "more": len(part) > len(page)}
         finally:
             self.vfs.releasedir(fh)
 
