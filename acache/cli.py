@@ -331,6 +331,24 @@ def node_table(st: dict) -> Table:
         what = f"{f['path']} -> {f['dst']}" if f["dst"] else f["path"]
         t.add_row(f"failed #{f['seq']}", f"[red]{f['op']} {what}: {f['error']}[/] "
                   "(`acache journal`; `acache journal skip SEQ --reason ...` if it can never succeed)")
+    cl = st.get("cluster")
+    if cl:
+        t.add_row("cluster", f"node {cl['node']} at {cl['address']}, head {cl.get('head') or '-'} "
+                  f"({cl['meta']})" + (f" [red]{cl['error']}[/]" if cl.get("error") else ""))
+        if cl.get("blocked_by"):
+            o = cl.get("oldest") or {}
+            t.add_row("persisting blocked", f"[red]by node {cl['blocked_by']}[/] (it holds "
+                      f"{o.get('path', '?')}, the oldest entry; {cl.get('blocked_files', '?')} "
+                      f"files, {_human(cl.get('blocked_bytes', 0))} wait for it"
+                      + (f", since {time.strftime('%H:%M:%S', time.localtime(cl['blocked_since']))}"
+                         if cl.get("blocked_since") else "") + ")")
+        for n in cl.get("nodes", []):
+            state = "[green]alive[/]" if n["alive"] else "[red]down[/]"
+            held = n.get("held_files")
+            t.add_row(f"  {n['id']}", f"{n['address']} {state}"
+                      + (" head" if n.get("head") else "")
+                      + (f", {held} files / {_human(n.get('held_bytes', 0))} unpersisted"
+                         if held else "") + f", transport {n['transport']}")
     if st.get("lost_found_files"):
         t.add_row("lost+found", f"[red]{st['lost_found_files']} files, "
                   f"{_human(st['lost_found_bytes'])} in {st['lost_found_dir']}[/] (cache files "

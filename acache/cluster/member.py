@@ -304,6 +304,7 @@ class _Head:
         self.persister.pull = self._pull
         self.cache = member.cache
         from collections import OrderedDict
+        self._blocked: tuple[str, float] = ("", 0.0)     # (node, since) for status
         self._done_lock = threading.Lock()
         self._done: OrderedDict = OrderedDict()
         self._running: dict[str, threading.Event] = {}
@@ -518,18 +519,38 @@ class _Head:
     _under = staticmethod(lambda path, rel: not rel or path == rel or path.startswith(rel + "/"))
 
     def op_status(self, frm, a):
+        """The cluster's persisting: queue, what each holder has unpersisted, and which node
+        (if any) blocks it: the holder of the oldest entry when that node is down."""
         meta, p = self.meta, self.persister
+        try:
+            alive = {m.record.id for m in self.member.cluster.members() if m.alive}
+        except MetaError:
+            alive = None
         with meta.lock:
             journal = meta.journal()
+            held: dict[str, list[int]] = {}
+            for e in journal:
+                if e.op == "put" and e.node:
+                    h = held.setdefault(e.node, [0, 0])
+                    h[0] += 1
+                    h[1] += e.size
+            oldest = journal[0] if journal else None
             blocked = ""
-            if journal:
-                head = journal[0]
-                if head.node and head.node != self.member.node_id and p.last_error:
-                    blocked = head.node
+            if oldest is not None and oldest.node and alive is not None and oldest.node not in alive:
+                blocked = oldest.node
+            if blocked:
+                if self._blocked[0] != blocked:
+                    self._blocked = (blocked, time.time())
+            else:
+                self._blocked = ("", 0.0)
             return {"head": self.member.node_id, "queue": len(journal),
                     "queue_bytes": sum(e.size for e in journal),
                     "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
                     "persisted_files": p.files_done, "last_error": p.last_error,
                     "failed": len(p.failed), "blocked_by": blocked,
-                    "oldest": ({"seq": journal[0].seq, "op": journal[0].op, "path": journal[0].path,
-                                "node": journal[0].node} if journal else None)}
+                    "blocked_since": self._blocked[1] if blocked else 0,
+                    "blocked_files": len(journal) if blocked else 0,
+                    "blocked_bytes": sum(e.size for e in journal) if blocked else 0,
+                    "held": held,
+                    "oldest": ({"seq": oldest.seq, "op": oldest.op, "path": oldest.path,
+                                "node": oldest.node} if oldest is not None else None)}

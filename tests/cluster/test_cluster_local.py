@@ -149,12 +149,19 @@ def test_kill9_holder_then_restart(tmp_path, etcd1):
         t0 = time.monotonic()
         with pytest.raises(OSError) as ei:
             (head.mnt / "o1").read_bytes()
-        assert ei.value.errno == errno.EIO and time.monotonic() - t0 < 60
+        waited = time.monotonic() - t0
+        print(f"read of a dead holder's file: EIO after {waited:.1f} s")
+        assert ei.value.errno == errno.EIO and waited < 60
         r = head.cli("flush", "--wait", "--timeout", "3", check=False, timeout=60)
         assert r.returncode != 0
         st = head.status()["cluster"]
         down = [n["id"] for n in st["nodes"] if not n["alive"]]
         assert down == [other.root.name]
+        assert st["blocked_by"] == other.root.name and st["blocked_files"] >= 5
+        held = {n["id"]: n["held_files"] for n in st["nodes"]}
+        assert held[other.root.name] == 5
+        text = head.cli("status").stdout
+        assert "persisting blocked" in text and f"by node {other.root.name}" in text, text
         other.restart()
         head.flush(timeout=60)
         assert c.ufs_files() == {**theirs, "mine": mine}
