@@ -5,15 +5,17 @@ on the hot path for it, except the FUSE request histogram, acache.fs.opstats, an
 integer increments where something happens rarely: an eviction, an upload error, a stall).
 
 Every metric of this node is unlabelled or labelled by what it counts (``kind``, ``op``);
-Prometheus adds ``instance``.  Names reserved for the cluster (not emitted yet, so that
-they can be added without renaming anything here):
+Prometheus adds ``instance``.  On a cluster member (acache.cluster) the persist-queue and
+upload series are the cluster's, as the head reports them (one request to it per scrape;
+left out while no head answers), and these are added:
 
     acache_peer_sent_bytes_total{peer,transport}      bytes sent to a peer (tcp | rdma)
     acache_peer_received_bytes_total{peer,transport}
-    acache_peer_up{peer,transport}                    1 while the peer answers
-    acache_cluster_nodes{state}                       nodes alive / down, as this node sees them
+    acache_peer_up{peer,transport}                    1 while the peer's alive key exists
+    acache_cluster_nodes{state}                       nodes alive / down, as etcd has them
     acache_cluster_persist_blocked{node}              1 for the node whose data holds back the
                                                       ordered persistence of the others
+    acache_cluster_head                               1 on the node that is the head now
 """
 from __future__ import annotations
 
@@ -62,6 +64,12 @@ METRICS = [
     ("acache_ufs_read_bytes_total", "counter", "bytes fetched from the under-storage (read-through)"),
     ("acache_ufs_reads_total", "counter", "read requests made to the under-storage"),
     ("acache_fuse_requests_total", "counter", "FUSE requests by op"),
+    ("acache_peer_sent_bytes_total", "counter", "cluster: bytes sent to a peer, by peer and transport"),
+    ("acache_peer_received_bytes_total", "counter", "cluster: bytes received from a peer"),
+    ("acache_peer_up", "gauge", "cluster: 1 while the peer is alive (its etcd lease holds)"),
+    ("acache_cluster_nodes", "gauge", "cluster: nodes by state (alive, down)"),
+    ("acache_cluster_persist_blocked", "gauge", "cluster: 1 for the down node whose data holds back persisting"),
+    ("acache_cluster_head", "gauge", "cluster: 1 on the node that runs the namespace now"),
     ("acache_fuse_request_duration_seconds", "histogram", "FUSE request latency by op"),
 ]
 
@@ -75,6 +83,9 @@ class NodeCollector:
 
     def collect(self) -> Iterator:
         n = self.node
+        if n.member is not None:
+            yield from self._member(n)
+            return
         c, p, fetch = n.cache, n.persister, n.vfs.fetch
         q = p.queue_stats()
         with n.meta.lock:
@@ -122,6 +133,84 @@ class NodeCollector:
         yield ctr("acache_readthrough_misses_total", fetch.misses)
         yield ctr("acache_ufs_read_bytes_total", fetch.bytes_read)
         yield ctr("acache_ufs_reads_total", fetch.requests)
+        yield from self._fuse()
+
+    def _member(self, n) -> Iterator:
+        """A cluster member: its cache and mount as above; the queue is the head's."""
+        from acache.errors import AcacheError
+        c, fetch, m = n.cache, n.vfs.fetch, n.member
+        info = GaugeMetricFamily("acache_node_info", METRICS[0][2],
+                                 labels=["version", "engine", "ufs_scheme", "host"])
+        info.add_metric([__version__, n.engine_name or "none", n.settings.ufs_url.partition(":")[0],
+                         socket.gethostname()], 1)
+        yield info
+
+        def g(name: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, _HELP[name], value=value)
+
+        def ctr(name: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name.removesuffix("_total"), _HELP[name], value=value)
+
+        dirty_bytes, dirty_files = c.dirty_stats()
+        yield g("acache_dirty_bytes", dirty_bytes)
+        yield g("acache_dirty_files", dirty_files)
+        try:
+            h = m.ns("status")
+        except AcacheError:
+            h = None
+        if h is not None:
+            yield ctr("acache_persisted_bytes_total", h["persisted_bytes"])
+            yield ctr("acache_persisted_files_total", h["persisted_files"])
+            yield g("acache_persist_queue_entries", h["queue"])
+            yield g("acache_persist_queue_bytes", h["queue_bytes"])
+            yield g("acache_persist_failed_entries", h["failed"])
+            yield g("acache_upload_rate_bytes_per_second", h["rate"])
+        yield g("acache_cluster_head", 1 if m.head is not None else 0)
+        yield ctr("acache_upload_bytes_total", n.limiter.taken)
+        yield g("acache_upload_limit_bytes_per_second", n.limiter.rate() or 0)
+        yield ctr("acache_writer_stalls_total", c.stalls)
+        yield ctr("acache_writer_stall_seconds_total", c.stall_seconds)
+        yield ctr("acache_enospc_total", c.enospc)
+        yield g("acache_cache_used_bytes", c.used())
+        yield g("acache_cache_limit_bytes", c.effective_limit())
+        yield ctr("acache_cache_evictions_total", c.evictions)
+        yield ctr("acache_cache_evicted_bytes_total", c.evicted_bytes)
+        yield ctr("acache_readthrough_hits_total", fetch.hits)
+        yield ctr("acache_readthrough_misses_total", fetch.misses)
+        yield ctr("acache_ufs_read_bytes_total", fetch.bytes_read)
+        yield ctr("acache_ufs_reads_total", fetch.requests)
+        try:
+            peers = m.peers()
+        except AcacheError:
+            peers = []
+        nodes = GaugeMetricFamily("acache_cluster_nodes", _HELP["acache_cluster_nodes"],
+                                  labels=["state"])
+        for state in ("alive", "down"):
+            nodes.add_metric([state], sum(1 for p in peers if p["alive"] == (state == "alive")))
+        yield nodes
+        blocked = GaugeMetricFamily("acache_cluster_persist_blocked",
+                                    _HELP["acache_cluster_persist_blocked"], labels=["node"])
+        if h is not None and h.get("blocked_by"):
+            blocked.add_metric([h["blocked_by"]], 1)
+        yield blocked
+        sent = CounterMetricFamily("acache_peer_sent_bytes", _HELP["acache_peer_sent_bytes_total"],
+                                   labels=["peer", "transport"])
+        recv = CounterMetricFamily("acache_peer_received_bytes",
+                                   _HELP["acache_peer_received_bytes_total"], labels=["peer", "transport"])
+        up = GaugeMetricFamily("acache_peer_up", _HELP["acache_peer_up"], labels=["peer", "transport"])
+        conns = dict(m._conns)
+        for p in peers:
+            if p["id"] == m.node_id:
+                continue
+            conn = conns.get(p["id"])
+            st = conn.stats() if conn is not None else {}
+            tr = "rdma" if st.get("path") == "rdma" else "tcp"
+            sent.add_metric([p["id"], tr], st.get("bytes_out", 0))
+            recv.add_metric([p["id"], tr], st.get("bytes_in", 0))
+            up.add_metric([p["id"], tr], 1 if p["alive"] else 0)
+        yield sent
+        yield recv
+        yield up
         yield from self._fuse()
 
     def _fuse(self) -> Iterator:

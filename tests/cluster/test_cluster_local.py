@@ -185,3 +185,30 @@ def test_kill9_head_another_takes_over(tmp_path, etcd1):
         assert (old.mnt / "after").read_bytes() == b"after"
         new.flush(timeout=60)
         assert c.ufs_files() == {"held-by-old-head": held, "before": b"before", "after": b"after"}
+
+
+def test_metrics_of_a_member(tmp_path, etcd1):
+    from tests.e2e.test_metrics import free_port, scrape
+    ports = [free_port(), free_port()]
+    with LocalCluster(tmp_path, etcd1, 2, flush_delay=600) as c:
+        # the metrics endpoint per node, set through the environment of each node's CLI
+        for n, port in zip(c.nodes, ports):
+            n.env["ACACHE_METRICS"] = f"127.0.0.1:{port}"
+            n.cli("down", "--no-flush")
+            n.restart()
+        head_id = c.wait_head()
+        a, b = c.nodes
+        (b.mnt / "x").write_bytes(os.urandom(70_000))
+        assert (a.mnt / "x").stat().st_size == 70_000
+        (a.mnt / "x").read_bytes()               # over the peer transport from b
+        ma = scrape(ports[0])
+        assert ma[("acache_cluster_nodes", (("state", "alive"),))] == 2
+        assert ma[("acache_cluster_head", ())] == (1 if head_id == "n1" else 0)
+        assert ma[("acache_persist_queue_entries", ())] >= 1
+        assert ma[("acache_peer_received_bytes_total", (("peer", "n2"), ("transport", "tcp")))] >= 70_000
+        assert ma[("acache_peer_up", (("peer", "n2"), ("transport", "tcp")))] == 1
+        b.kill9()
+        until(lambda: scrape(ports[0])[("acache_cluster_nodes", (("state", "down"),))] == 1, 20,
+              "n2 down in the metrics")
+        until(lambda: scrape(ports[0]).get(("acache_cluster_persist_blocked", (("node", "n2"),))) == 1
+              or head_id == "n2", 20, "persisting blocked by n2")
