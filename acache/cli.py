@@ -111,7 +111,9 @@ def _start_background(s: config.Settings, argv: list[str]) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "acache.cli", "up", "--foreground", *argv],
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                             start_new_session=True, close_fds=True)
-    deadline = time.monotonic() + 60
+    # a cluster member may wait for etcd up to stall_timeout before it can say it is ready
+    wait = 60.0 + (s.stall_timeout if s.meta else 0.0)
+    deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             with open(s.log_path, "rb") as f:
@@ -127,7 +129,7 @@ def _start_background(s: config.Settings, argv: list[str]) -> None:
         if is_running(s.socket_path):
             return
         time.sleep(0.1)
-    raise AcacheError(f"the node did not become ready within 60 s; see {s.log_path}")
+    raise AcacheError(f"the node did not become ready within {wait:.0f} s; see {s.log_path}")
 
 
 def _check_timeout(timeout: float | None) -> None:

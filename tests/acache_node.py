@@ -50,6 +50,7 @@ def files_under(root: Path) -> dict[str, bytes]:
 
 
 class AcacheNode:
+    start_timeout = 120.0      # seconds for `up` and `mount` (the rdma VM emulates: slower)
     def __init__(self, root: Path, engine: str = "pyfuse3", ufs: str | None = None,
                  flush_delay: float = 0.2, extra_env: dict | None = None,
                  config: str | None = None) -> None:
@@ -91,8 +92,8 @@ class AcacheNode:
     def start(self) -> "AcacheNode":
         """up + mount; on any failure, nothing is left running or mounted."""
         try:
-            self.cli("up")
-            self.cli("mount", str(self.mnt))
+            self.cli("up", timeout=self.start_timeout)
+            self.cli("mount", str(self.mnt), timeout=self.start_timeout)
         except BaseException:
             self.stop()
             raise
@@ -130,8 +131,8 @@ class AcacheNode:
 
     def restart(self) -> None:
         """After a crash: up again, mount again on the same (stale) path."""
-        self.cli("up")
-        self.cli("mount", str(self.mnt))
+        self.cli("up", timeout=self.start_timeout)
+        self.cli("mount", str(self.mnt), timeout=self.start_timeout)
 
     def stop(self) -> None:
         """Teardown: stop without flushing, force-detach whatever is left."""

@@ -34,6 +34,7 @@ class Member:
         from acache.meta.cluster import Cluster
         from acache.meta.etcd import EtcdClient
         from acache.net import transport_from_settings
+        t0 = time.monotonic()
         self.settings, self.cache, self.under, self.node_id = settings, cache, under, node_id
         self.stall = settings.stall_timeout
         self.client = EtcdClient.from_url(settings.meta, stall_timeout=settings.stall_timeout)
@@ -62,6 +63,9 @@ class Member:
         self._rejoin()
         self._thread = threading.Thread(target=self._campaign, name="acache-head-campaign", daemon=True)
         self._thread.start()
+        log.info("joined cluster %s as %s at %s in %.1f s (transport %s; head: %s)",
+                 settings.meta, node_id, self.address, time.monotonic() - t0, self.transport.name,
+                 self._head_id or "none yet")
 
     # -- peers ---------------------------------------------------------------------------
     def address_of(self, node_id: str) -> str:
