@@ -509,11 +509,27 @@ class _Head:
     def op_flush(self, frm, a):
         from acache.node.daemon import Node
         rel = a.get("path") or ""
+        from acache.errors import FlushError
         self.meta.begin_barrier()
         try:
             return Node._flush_wait(self, rel, a.get("timeout"), None, time.monotonic())
+        except FlushError as e:
+            # an answer, not an error: the reason has to reach the asking node (an exception
+            # here would reach it as a bare EIO), with the nodes whose data it waits for
+            return {"ok": False, "error": str(e) + self._waiting_for(rel)}
         finally:
             self.meta.end_barrier()
+
+    def _waiting_for(self, rel: str) -> str:
+        with self.meta.lock:
+            holders = {e.node for e in self.meta.journal() if e.node and e.touches(rel)}
+        try:
+            alive = {m.record.id for m in self.member.cluster.members() if m.alive}
+        except Exception:                # noqa: BLE001 - only a hint in an error message
+            return ""
+        down = sorted(holders - alive)
+        return (f"; waiting for node {', '.join(down)} (down), which holds unpersisted files"
+                if down else "")
 
     _under = staticmethod(lambda path, rel: not rel or path == rel or path.startswith(rel + "/"))
 
