@@ -48,6 +48,7 @@ class Member:
         self.head = None                  # a _Head while this node is the head
         self._head_id: str | None = None
         self._stop = threading.Event()
+        self._check_secret()
         self.vfs = ClientVFS(node_id, cache, under, self.ns, self.conn, chunk_size=settings.chunk_size)
         self.listener = self.transport.listen(settings.listen)
         self.address = settings.advertise or self.listener.address
@@ -62,6 +63,32 @@ class Member:
         self._rejoin()
         self._thread = threading.Thread(target=self._campaign, name="acache-head-campaign", daemon=True)
         self._thread.start()
+
+    def _check_secret(self) -> None:
+        """Refuse to join with a secret other than the cluster's, before registering or
+        campaigning: such a node cannot talk to any peer, and as the head it would cut every
+        other node off.  etcd keeps an HMAC of the cluster's name under the first member's
+        secret (it reveals nothing of the secret); a node whose secret gives another refuses."""
+        import hashlib
+        import hmac
+        from acache.errors import ConfigError
+        from acache.meta.etcd import Compare, Put
+        from acache.net import auth
+        secret = auth.load_secret(self.settings.secret_file) if self.settings.secret_file else None
+        if not secret:
+            return                          # loopback without a secret: nothing to compare
+        key = self.client.prefix + b"secret_check"
+        tag = hmac.new(secret, b"acache-cluster-secret\0" + self.client.prefix,
+                       hashlib.sha256).hexdigest().encode()
+        self.client.txn([Compare.absent(key)], [Put(key, tag)])
+        cur = self.client.get(key)
+        if cur is not None and not hmac.compare_digest(cur.value, tag):
+            log.error("secret_file %s is not the secret of cluster %s: not joining",
+                      self.settings.secret_file, self.settings.meta)
+            raise ConfigError(f"secret_file {self.settings.secret_file} is not the secret the "
+                              f"cluster's other nodes use ({self.settings.meta}); not joining. "
+                              f"(If the cluster's secret was changed on purpose, delete the etcd "
+                              f"key {key.decode(errors='replace')} once every node has the new one.)")
 
     # -- peers ---------------------------------------------------------------------------
     def address_of(self, node_id: str) -> str:
