@@ -49,6 +49,7 @@ class Member:
         self.head = None                  # a _Head while this node is the head
         self._head_id: str | None = None
         self._stop = threading.Event()
+        self._check_secret()
         self.vfs = ClientVFS(node_id, cache, under, self.ns, self.conn, chunk_size=settings.chunk_size)
         self.listener = self.transport.listen(settings.listen)
         self.address = settings.advertise or self.listener.address
@@ -66,6 +67,32 @@ class Member:
         log.info("joined cluster %s as %s at %s in %.1f s (transport %s; head: %s)",
                  settings.meta, node_id, self.address, time.monotonic() - t0, self.transport.name,
                  self._head_id or "none yet")
+
+    def _check_secret(self) -> None:
+        """Refuse to join with a secret other than the cluster's, before registering or
+        campaigning: such a node cannot talk to any peer, and as the head it would cut every
+        other node off.  etcd keeps an HMAC of the cluster's name under the first member's
+        secret (it reveals nothing of the secret); a node whose secret gives another refuses."""
+        import hashlib
+        import hmac
+        from acache.errors import ConfigError
+        from acache.meta.etcd import Compare, Put
+        from acache.net import auth
+        secret = auth.load_secret(self.settings.secret_file) if self.settings.secret_file else None
+        if not secret:
+            return                          # loopback without a secret: nothing to compare
+        key = self.client.prefix + b"secret_check"
+        tag = hmac.new(secret, b"acache-cluster-secret\0" + self.client.prefix,
+                       hashlib.sha256).hexdigest().encode()
+        self.client.txn([Compare.absent(key)], [Put(key, tag)])
+        cur = self.client.get(key)
+        if cur is not None and not hmac.compare_digest(cur.value, tag):
+            log.error("secret_file %s is not the secret of cluster %s: not joining",
+                      self.settings.secret_file, self.settings.meta)
+            raise ConfigError(f"secret_file {self.settings.secret_file} is not the secret the "
+                              f"cluster's other nodes use ({self.settings.meta}); not joining. "
+                              f"(If the cluster's secret was changed on purpose, delete the etcd "
+                              f"key {key.decode(errors='replace')} once every node has the new one.)")
 
     # -- peers ---------------------------------------------------------------------------
     def address_of(self, node_id: str) -> str:
@@ -514,11 +541,27 @@ class _Head:
     def op_flush(self, frm, a):
         from acache.node.daemon import Node
         rel = a.get("path") or ""
+        from acache.errors import FlushError
         self.meta.begin_barrier()
         try:
             return Node._flush_wait(self, rel, a.get("timeout"), None, time.monotonic())
+        except FlushError as e:
+            # an answer, not an error: the reason has to reach the asking node (an exception
+            # here would reach it as a bare EIO), with the nodes whose data it waits for
+            return {"ok": False, "error": str(e) + self._waiting_for(rel)}
         finally:
             self.meta.end_barrier()
+
+    def _waiting_for(self, rel: str) -> str:
+        with self.meta.lock:
+            holders = {e.node for e in self.meta.journal() if e.node and e.touches(rel)}
+        try:
+            alive = {m.record.id for m in self.member.cluster.members() if m.alive}
+        except Exception:                # noqa: BLE001 - only a hint in an error message
+            return ""
+        down = sorted(holders - alive)
+        return (f"; waiting for node {', '.join(down)} (down), which holds unpersisted files"
+                if down else "")
 
     _under = staticmethod(lambda path, rel: not rel or path == rel or path.startswith(rel + "/"))
 

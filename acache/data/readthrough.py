@@ -70,10 +70,13 @@ class ReadThrough:
                     break
                 if ev is not None:
                     ev.wait()
-                if c in fill.errors:
-                    err = fill.errors.pop(c)
+                # presence, not the absence of an error: several readers may wait for one
+                # chunk, and each must see its failure (the next _start clears it)
+                with self._lock:
+                    ok, err = c in fill.present, fill.errors.get(c)
+                if not ok:
                     log.error("read-through of %s failed: %s", upath(), err)
-                    raise FsError(5, str(err))
+                    raise FsError(5, str(err or f"chunk {c} was not loaded"))
         with self._lock:
             done = len(fill.present) >= fill.nchunks
             if done:

@@ -234,9 +234,12 @@ class Node:
         rel = self.rel(path)
         if self.member is not None:      # the barrier is the head's, for the whole cluster
             try:
-                return self.member.ns("flush", path=rel, timeout=timeout)
+                r = self.member.ns("flush", path=rel, timeout=timeout)
             except FsError as e:
                 raise FlushError(f"the cluster's barrier failed: {e}") from None
+            if not r.get("ok", True):
+                raise FlushError(r.get("error") or "the cluster's barrier failed")
+            return r
         meta = self.meta
         t0 = time.monotonic()
         try:    # files closed while a metadata write failed are not journaled yet
