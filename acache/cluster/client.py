@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +30,7 @@ from acache.fs.vfs import NAME_MAX
 
 log = logging.getLogger("acache.cluster.client")
 ENTRY_TIMEOUT = 1.0
+UNREACHABLE_FOR = 5.0     # s: a holder that failed a read fails the next ones at once
 
 
 @dataclass
@@ -72,6 +74,7 @@ class ClientVFS:
         self._complete: set[tuple[int, int]] = set()   # local copies known whole
         self._drop_later: set[tuple[int, int]] = set()
         self._ino_locks: dict[int, threading.Lock] = {}
+        self._unreachable: dict[str, float] = {}      # holder -> monotonic time it is tried again
         cache.evict_hook = self._evict
 
     # -- helpers ------------------------------------------------------------------------
@@ -223,15 +226,28 @@ class ClientVFS:
         holder, gen = src.get("holder", ""), src["gen"]
         if src.get("cached") and holder and holder != self.node_id:
             def from_peer(off: int, n: int) -> bytes:
-                from acache.net.transport import TransportError
+                from acache.net.transport import PeerUnavailable, TransportError
+                failed = self._unreachable.get(holder, 0.0)
+                if time.monotonic() < failed:
+                    # it just failed a request (the transport waited its whole timeout then):
+                    # the next chunks, and the kernel's re-reads, fail at once instead of
+                    # each waiting that long again
+                    raise FsError(errno.EIO, f"reading inode {ino}: its holder {holder} did "
+                                  "not answer a moment ago")
                 try:
                     conn = self.peer(holder)
                     buf = bytearray(n)
                     got = conn.read_into("data.read", {"ino": ino, "gen": gen, "offset": off,
                                                        "length": n}, memoryview(buf))
+                except PeerUnavailable as e:
+                    self._unreachable[holder] = time.monotonic() + UNREACHABLE_FOR
+                    log.error("reading inode %d from %s failed: %s (EIO; its reads fail at once "
+                              "for %.0f s)", ino, holder, e, UNREACHABLE_FOR)
+                    raise FsError(errno.EIO, str(e)) from None   # not retried: it timed out
                 except TransportError as e:
                     raise UnderStoreError(f"reading inode {ino} from {holder}: {e}",
                                           retryable=getattr(e, "retryable", False)) from None
+                self._unreachable.pop(holder, None)
                 return bytes(buf[:got])
             return from_peer
         upath = src.get("upath")
