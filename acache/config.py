@@ -512,8 +512,8 @@ def startup_warnings(s: Settings) -> list[str]:
         peers.append("transport")
     if peers and not s.meta:
         out.append(f"{', '.join(peers)} ({s.source(peers[0])}) set, but this node is single-host: "
-                   "the peer transport is not started until the cluster metadata exists (README, "
-                   "\"Cluster: the pieces built so far\")")
+                   "the peer transport starts only on a cluster member (set meta = \"etcd://...\"; "
+                   "README, \"Cluster\")")
     if s.cache_size is not None:
         where = _existing(s.cache_path)
         try:

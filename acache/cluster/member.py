@@ -565,6 +565,16 @@ class _Head:
 
     _under = staticmethod(lambda path, rel: not rel or path == rel or path.startswith(rel + "/"))
 
+    def op_journal(self, frm, a):
+        total, entries = self.persister.entries(int(a.get("limit", 100)))
+        return {"total": total, "entries": entries}
+
+    def op_journal_skip(self, frm, a):
+        try:
+            return self.persister.skip(int(a["seq"]), str(a["reason"]))
+        except AcacheError as e:
+            raise FsError(errno.ENOENT, str(e)) from None
+
     def op_status(self, frm, a):
         """The cluster's persisting: queue, what each holder has unpersisted, and which node
         (if any) blocks it: the holder of the oldest entry when that node is down."""

@@ -406,15 +406,17 @@ class Node:
 
     # -- the journal, for the operator --------------------------------------------------------
     def journal(self, limit: int = 100) -> dict:
-        if self.member is not None:
-            raise ConfigError("acache journal: not available on a cluster member yet (the journal "
-                              "is the head's; `acache status` shows its oldest entry)")
+        if self.member is not None:      # the journal is the head's, wherever it runs
+            return self.member.ns("journal", limit=max(1, int(limit)))
         total, entries = self.persister.entries(max(1, int(limit)))
         return {"total": total, "entries": entries}
 
     def journal_skip(self, seq: int, reason: str) -> dict:
         if self.member is not None:
-            raise ConfigError("acache journal skip: not available on a cluster member yet")
+            reason = (reason or "").strip()
+            if not reason:
+                raise ConfigError("say why the entry is skipped: --reason \"...\"")
+            return self.member.ns("journal_skip", seq=int(seq), reason=reason)
         reason = (reason or "").strip()
         if not reason:
             raise ConfigError("say why the entry is skipped: --reason \"...\"")

@@ -212,3 +212,22 @@ def test_metrics_of_a_member(tmp_path, etcd1):
               "n2 down in the metrics")
         until(lambda: scrape(ports[0]).get(("acache_cluster_persist_blocked", (("node", "n2"),))) == 1
               or head_id == "n2", 20, "persisting blocked by n2")
+
+
+def test_journal_and_skip_from_any_node(tmp_path, etcd1):
+    """The journal is the head's: listed and skipped from a node that is not the head (the
+    operator's way out when a node's disk is gone for good)."""
+    import json
+    with LocalCluster(tmp_path, etcd1, 2, flush_delay=600) as c:
+        head_id = c.wait_head()
+        other = c.nodes[1 if head_id == "n1" else 0]
+        (other.mnt / "lost").write_bytes(b"x" * 1000)
+        (other.mnt / "kept").write_bytes(b"y" * 10)
+        j = json.loads(other.cli("journal", "--json").stdout)
+        seqs = {e["path"]: e["seq"] for e in j["entries"]}
+        assert set(seqs) == {"lost", "kept"}
+        r = other.cli("journal", "skip", str(seqs["lost"]), check=False)
+        assert r.returncode != 0 and "reason" in (r.stderr + r.stdout)
+        other.cli("journal", "skip", str(seqs["lost"]), "--reason", "disk gone")
+        other.flush(timeout=60)
+        assert c.ufs_files() == {"kept": b"y" * 10}
