@@ -151,7 +151,8 @@ class Node:
                 return "native", why, lambda mp: NativeEngine(self.vfs, mp, passthrough=ok,
                                                               max_stack_depth=depth,
                                                               entry_timeout=NATIVE_ENTRY_TIMEOUT
-                                                              if self.member is None else 1.0)
+                                                              if getattr(self, "member", None) is None
+                                                              else 1.0)
             return "pyfuse3", f"no passthrough ({why}) and {why_not}", None
         if want == "pyfuse3":
             return "pyfuse3", "asked for", None
@@ -232,7 +233,7 @@ class Node:
     # -- the barrier ------------------------------------------------------------------------
     def flush(self, path: str | None, timeout: float | None, progress=None) -> dict:
         rel = self.rel(path)
-        if self.member is not None:      # the barrier is the head's, for the whole cluster
+        if getattr(self, "member", None) is not None:      # the barrier is the head's, for the whole cluster
             try:
                 r = self.member.ns("flush", path=rel, timeout=timeout)
             except FsError as e:
@@ -318,7 +319,7 @@ class Node:
 
     # -- status ------------------------------------------------------------------------------
     def status(self, path: str | None = None) -> dict:
-        if self.member is not None:
+        if getattr(self, "member", None) is not None:
             return self._member_status(path)
         meta, p, c = self.meta, self.persister, self.cache
         with meta.lock:
@@ -406,13 +407,13 @@ class Node:
 
     # -- the journal, for the operator --------------------------------------------------------
     def journal(self, limit: int = 100) -> dict:
-        if self.member is not None:      # the journal is the head's, wherever it runs
+        if getattr(self, "member", None) is not None:      # the journal is the head's, wherever it runs
             return self.member.ns("journal", limit=max(1, int(limit)))
         total, entries = self.persister.entries(max(1, int(limit)))
         return {"total": total, "entries": entries}
 
     def journal_skip(self, seq: int, reason: str) -> dict:
-        if self.member is not None:
+        if getattr(self, "member", None) is not None:
             reason = (reason or "").strip()
             if not reason:
                 raise ConfigError("say why the entry is skipped: --reason \"...\"")
@@ -433,7 +434,7 @@ class Node:
         if flush:
             self.flush(None, timeout)
             out["flushed"] = True
-        if self.member is not None:
+        if getattr(self, "member", None) is not None:
             for what, step in (("unmounting", lambda: self.engine is not None and self.umount()),
                                ("leaving the cluster", self.member.close),
                                ("closing the under-storage", self.under.close)):

@@ -2,8 +2,9 @@
 through one node's mount reads byte-identical through another's, its bytes moved by RDMA READ
 (status shows rdma for that peer); then a node started with ``transport = tcp`` reads the same
 bytes over TCP (status says why).  Nodes listen on the soft-RoCE device's address; etcd runs
-on loopback in the VM.  Size: ACACHE_TEST_RDMA_BIG (default 1 GiB; the cache files live in the
-VM's RAM: scripts/test_rdma gives the VM enough)."""
+on loopback in the VM.  Size: ACACHE_TEST_RDMA_CLUSTER_BIG, default 256 MiB: under the VM's CPU
+emulation 1 GiB through two FUSE mounts, RDMA and TCP took over 13 minutes (it passed the RDMA
+part); the transport's own test (tests/unit/test_rdma.py) reads 1 GiB over RDMA."""
 from __future__ import annotations
 
 import hashlib
@@ -20,7 +21,7 @@ from tests.e2e.conftest import _need_fuse
 pytestmark = pytest.mark.rdma
 
 HOST = os.environ.get("ACACHE_TEST_RDMA_HOST", "10.11.12.1")
-BIG = parse_size(os.environ.get("ACACHE_TEST_RDMA_BIG", "1GiB"))
+BIG = parse_size(os.environ.get("ACACHE_TEST_RDMA_CLUSTER_BIG", "256MiB"))
 
 
 def _write(path, size: int) -> str:
@@ -55,6 +56,7 @@ def _slow_start(monkeypatch):
     monkeypatch.setattr(AcacheNode, "start_timeout", 600.0)   # emulated CPU: starts take ~30-90 s
 
 
+@pytest.mark.timeout(1200)
 def test_two_nodes_read_over_rdma_then_tcp(tmp_path, etcd1):
     _need_fuse()
     secret = write_secret(tmp_path / "secret")
