@@ -232,7 +232,7 @@ class ClientVFS:
                 except TransportError as e:
                     raise UnderStoreError(f"reading inode {ino} from {holder}: {e}",
                                           retryable=getattr(e, "retryable", False)) from None
-                return bytes(buf[:got])
+                return buf if got == n else bytes(buf[:got])    # no copy of a whole chunk
             return from_peer
         upath = src.get("upath")
         if upath is not None:
