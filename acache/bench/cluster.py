@@ -10,7 +10,9 @@ Cases, each rep interleaving acache with its baseline (order rotated from rep to
     read     a file written on A, read once (cold: B has no copy) through B's mount with
              8 MiB reads, vs a plain TCP copy of the same bytes over the same link (the
              ``--plain`` server of tests.net_peer in host 0: sendfile; recv_into in host 1);
-             also at tc rates (``--rates``; Hosts.rate shapes host 1's link both ways)
+             also at tc rates (``--rates``; Hosts.rate shapes host 1's link both ways); a second
+             baseline also writes what it receives to a file on B's cache disk, as B's mount
+             does (it keeps a local copy): what the disk costs, apart from acache
     persist  files written on B through its mount (untimed; flush_delay is an hour, so nothing
              starts early), then the barrier ``flush --wait`` asked of B (its control socket:
              no CLI start-up in the figure) is timed: close -> in S3 (the head pulls B's bytes
@@ -21,7 +23,8 @@ Cases, each rep interleaving acache with its baseline (order rotated from rep to
              through E's mount (embedded), A's (cluster, head) and B's (cluster, over the
              peer transport to the head)
 
-``--profile DIR`` records both cluster daemons with py-spy (raw format, --nonblocking)
+``--profile DIR`` records both cluster daemons with py-spy (raw format, --nonblocking --idle:
+wall-clock per thread)
 during each acache run of the cases.  Needs root, /dev/fuse, etcd, moto_server.
 """
 from __future__ import annotations
@@ -81,8 +84,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # -- baselines (run inside host 1 with Hosts.run_in) ----------------------------------------
-def plain_copy(addr: str, size: int) -> float:
-    """Seconds to receive ``size`` bytes from the plain sendfile server (one socket)."""
+def plain_copy(addr: str, size: int, dest: str | None = None) -> float:
+    """Seconds to receive ``size`` bytes from the plain sendfile server (one socket); with
+    ``dest``, each chunk is also written to that new file (what a reader keeping a copy pays)."""
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600) if dest else None
+    try:
+        return _plain_copy(addr, size, out)
+    finally:
+        if out is not None:
+            os.close(out)
+            os.unlink(dest)
+
+
+def _plain_copy(addr: str, size: int, out: int | None) -> float:
     host, port = addr.rsplit(":", 1)
     s = socket.create_connection((host, int(port)))
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -94,6 +108,8 @@ def plain_copy(addr: str, size: int) -> float:
         k = s.recv_into(buf, min(CHUNK, size - got))
         if not k:
             raise RuntimeError("the plain server closed early")
+        if out is not None:
+            os.write(out, buf[:k])
         got += k
     dt = time.perf_counter() - t0
     s.close()
@@ -213,7 +229,7 @@ class Spy:
         for name, pid in self.pids.items():
             out = self.outdir / f"{tag}-{name}.txt"
             self.procs.append(subprocess.Popen(
-                ["py-spy", "record", "--nonblocking", "-f", "raw", "-r", "100", "--threads",
+                ["py-spy", "record", "--nonblocking", "-f", "raw", "-r", "100", "--threads", "--idle",
                  "-p", str(pid), "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(0.5)
         try:
@@ -297,21 +313,28 @@ def case_read(c: Cluster, src: Path, rows: list, log) -> None:
     try:
         for rate in a.rates:
             hosts.rate(1, None if rate == "none" else rate)
-            t = {"acache": [], "plain": []}
+            t = {"acache": [], "plain": [], "disk": []}
             for rep in range(a.repeat):
                 name = f"big-{rate}-{rep}"
                 shutil.copyfile(src, A.mnt / name)          # closed on A: B reads it at once
-                for what in rotated(rep, ["plain", "acache"]):
+                for what in rotated(rep, ["plain", "acache", "disk"]):
                     if what == "plain":
                         dt = hosts.run_in(1, plain_copy, plain_addr, a.big, timeout=3600)
+                    elif what == "disk":
+                        dt = hosts.run_in(1, plain_copy, plain_addr, a.big,
+                                          str(c.root / "b" / "plain-copy"), timeout=3600)
                     else:
                         dt = c.spy.run(f"read-{rate}-{rep}", read_through, B.mnt / name, a.big)
                     t[what].append(dt)
                     log(f"read {rate} rep {rep + 1}: {what:6} {a.big / MiB / dt:8.0f} MiB/s")
                 (A.mnt / name).unlink()
             link = "veth" if rate == "none" else f"veth, tc {rate}"
-            rows.append(row(f"remote read-after-write, {a.big // MiB} MiB, {link}", "MiB/s",
-                            a.big / MiB, t, "plain TCP copy", GOALS["read"]))
+            case = f"remote read-after-write, {a.big // MiB} MiB, {link}"
+            rows.append(row(case, "MiB/s", a.big / MiB, {"acache": t["acache"], "plain": t["plain"]},
+                            "plain TCP copy", GOALS["read"]))
+            rows.append(row(f"  (same, vs a copy that also writes B's disk)", "MiB/s", a.big / MiB,
+                            {"acache": t["acache"], "disk": t["disk"]},
+                            "plain TCP copy + write to a file on B's cache disk", None))
     finally:
         hosts.rate(1, None)
         p.kill()
