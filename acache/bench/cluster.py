@@ -332,7 +332,7 @@ def case_read(c: Cluster, src: Path, rows: list, log) -> None:
             case = f"remote read-after-write, {a.big // MiB} MiB, {link}"
             rows.append(row(case, "MiB/s", a.big / MiB, {"acache": t["acache"], "plain": t["plain"]},
                             "plain TCP copy", GOALS["read"]))
-            rows.append(row(f"  (same, vs a copy that also writes B's disk)", "MiB/s", a.big / MiB,
+            rows.append(row("  (same, vs a copy that also writes B's disk)", "MiB/s", a.big / MiB,
                             {"acache": t["acache"], "disk": t["disk"]},
                             "plain TCP copy + write to a file on B's cache disk", None))
     finally:

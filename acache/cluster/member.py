@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import queue
 import threading
 import time
@@ -170,6 +171,9 @@ class Member:
     def ns(self, op: str, **args) -> dict:
         """One namespace operation at the head, wherever it is (see the module docstring)."""
         deadline = time.monotonic() + self.stall
+        if op == "flush":   # the barrier waits as long as it was asked to, not stall_timeout:
+            wait = args.get("timeout")   # each try below still gives up on a silent head
+            deadline = math.inf if wait is None else deadline + wait
         logged = False
         with self._lock:
             self._rid += 1
@@ -190,7 +194,7 @@ class Member:
                     try:
                         reply, _ = self.conn(hid).request(
                             "ns", {"from": self.node_id, "op": op, "args": args, "rid": rid},
-                            timeout=max(1.0, deadline - time.monotonic()))
+                            timeout=max(1.0, min(deadline - time.monotonic(), self.stall)))
                         return reply
                     except RemoteError as e:
                         if e.errno != ENOTHEAD:
