@@ -248,7 +248,7 @@ class ClientVFS:
                     raise UnderStoreError(f"reading inode {ino} from {holder}: {e}",
                                           retryable=getattr(e, "retryable", False)) from None
                 self._unreachable.pop(holder, None)
-                return bytes(buf[:got])
+                return buf if got == n else bytes(buf[:got])    # no copy of a whole chunk
             return from_peer
         upath = src.get("upath")
         if upath is not None:

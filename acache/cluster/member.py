@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
+import queue
 import threading
 import time
 
@@ -26,6 +28,7 @@ from acache.net.transport import FileRegion, PeerUnavailable, RemoteError, Reply
 
 log = logging.getLogger("acache.cluster")
 LEASE_TTL = 3.0
+NOTE_THREADS = 4                 # the head's notes to holders in flight at once
 ENOTHEAD = errno.ESTALE          # "ask the head, I am not it (any more)"
 
 
@@ -50,6 +53,12 @@ class Member:
         self._head_id: str | None = None
         self._stop = threading.Event()
         self._check_secret()
+        # the head's notes to holders (best effort, off the caller's thread): a few daemon
+        # threads on one queue, not a thread per note, whose start the caller (the persister,
+        # under the head's lock) would wait for
+        self._notes: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(NOTE_THREADS):
+            threading.Thread(target=self._note_loop, name=f"acache-notify-{i}", daemon=True).start()
         self.vfs = ClientVFS(node_id, cache, under, self.ns, self.conn, chunk_size=settings.chunk_size)
         self.listener = self.transport.listen(settings.listen)
         self.address = settings.advertise or self.listener.address
@@ -168,7 +177,14 @@ class Member:
                 self.conn(holder).request(f"data.{what}", {"ino": ino, "gen": gen}, timeout=10)
             except (TransportError, OSError) as e:
                 log.debug("telling %s to %s inode %d: %s", holder, what, ino, e)
-        threading.Thread(target=send, daemon=True).start()
+        self._notes.put(send)
+
+    def _note_loop(self) -> None:
+        while (send := self._notes.get()) is not None:
+            try:
+                send()
+            except Exception:                   # a note is best effort; the thread stays
+                log.exception("a note to a holder failed")
 
     # -- the namespace ------------------------------------------------------------------------
     def _serve_ns(self, meta: dict, payload) -> dict:
@@ -186,6 +202,9 @@ class Member:
     def ns(self, op: str, **args) -> dict:
         """One namespace operation at the head, wherever it is (see the module docstring)."""
         deadline = time.monotonic() + self.stall
+        if op == "flush":   # the barrier waits as long as it was asked to, not stall_timeout:
+            wait = args.get("timeout")   # each try below still gives up on a silent head
+            deadline = math.inf if wait is None else deadline + wait
         logged = False
         with self._lock:
             self._rid += 1
@@ -206,7 +225,7 @@ class Member:
                     try:
                         reply, _ = self.conn(hid).request(
                             "ns", {"from": self.node_id, "op": op, "args": args, "rid": rid},
-                            timeout=max(1.0, deadline - time.monotonic()))
+                            timeout=max(1.0, min(deadline - time.monotonic(), self.stall)))
                         return reply
                     except RemoteError as e:
                         if e.errno != ENOTHEAD:
@@ -306,6 +325,8 @@ class Member:
             self.registration.stop()
         except Exception:
             pass
+        for _ in range(NOTE_THREADS):
+            self._notes.put(None)
         self.listener.close()
         for c in list(self._conns.values()):
             c.close()
