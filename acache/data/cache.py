@@ -65,7 +65,8 @@ class CacheDir:
         self.stall_timeout = stall_timeout
         self._fds: dict[tuple[int, int], list[int]] = {}   # (ino, gen) -> [fd, refs]
         self._lock = threading.Lock()
-        self.space = threading.Condition(self._lock)
+        self.space = threading.Condition(self._lock)        # room was made: waiting writers
+        self._writers = threading.Condition(self._lock)     # a write open: the monitor starts
         self._sizes = _Sizes()                             # bytes on disk per file we know
         self.dirty: set[tuple[int, int]] = set()           # files that may not be evicted
         self.lru: OrderedDict[int, int] = OrderedDict()    # clean ino -> gen, oldest first
@@ -102,8 +103,9 @@ class CacheDir:
                 self._fds[key] = [fd, 1]
                 self.lru.pop(ino, None)
             if write:
+                if not self._writing:
+                    self._writers.notify()    # the monitor starts watching
                 self._writing[key] = self._writing.get(key, 0) + 1
-                self.space.notify_all()       # the monitor starts watching
             return fd
 
     def release(self, ino: int, gen: int, write: bool = False) -> None:
@@ -269,7 +271,7 @@ class CacheDir:
         while True:
             with self._lock:
                 while not self._writing:
-                    self.space.wait()
+                    self._writers.wait()
                 fds = [(key, self._fds[key][0]) for key in self._writing if key in self._fds]
             self.watch_once(fds)
             time.sleep(self.MONITOR_EVERY)

@@ -35,6 +35,16 @@ class _Aborted(Exception):
     pass
 
 
+def _below_any(path: str, dirs: set[str]) -> bool:
+    """Is ``path`` strictly below one of ``dirs``?"""
+    i = path.find("/")
+    while i >= 0:
+        if path[:i] in dirs:
+            return True
+        i = path.find("/", i + 1)
+    return False
+
+
 @dataclass
 class Job:
     entry: Entry
@@ -226,23 +236,37 @@ class Persister:
                     self._applying = 0
 
     def _schedule(self) -> float:
-        """Start stages that are due; return how long to sleep at most."""
+        """Start stages that are due; return how long to sleep at most.  Called after every
+        entry applied, so it looks at the PUTs of the journal's head and the path changes
+        before them (MetaStore's indexes), never at every entry of the window."""
+        head = self.meta.head(WINDOW)
+        if not head:
+            return 1.0
+        last = head[-1].seq              # the window: staging runs at most this far ahead
+        staging = sum(1 for j in self.jobs.values() if j.state == "staging")
+        if staging >= self.concurrency:
+            return 1.0                   # no slot: a stage that ends notifies the loop
         now = self.clock()
         wake = 1.0
-        staging = sum(1 for j in self.jobs.values() if j.state == "staging")
-        moved: list[str] = []    # paths an earlier mkdir/rename/delete/rmdir still has to change
+        # the flush delay counts from e.t, which grows with seq: past the first PUT not due
+        # yet, none is due (unless a retry time or a hurry() says otherwise)
+        ordered = not self._retry_at
+        changes = self.meta.path_changes()
+        change = next(changes, None)
+        moved: set[str] = set()   # paths an earlier mkdir/rename/delete/rmdir still has to change
         first_put = True
-        for e in self.meta.head(WINDOW):
-            if e.op in ("rename", "delete", "rmdir", "mkdir"):
-                moved += [p for p in (e.path, e.dst) if p]
-            if e.op != "put":
-                continue
+        for e in self.meta.pending_puts():
+            if e.seq > last:
+                break
+            while change is not None and change.seq < e.seq:
+                moved.update(p for p in (change.path, change.dst) if p)
+                change = next(changes, None)
             if not first_put and self._outage:
                 break            # the under-storage is failing: only the first PUT probes it
             first_put = False
             if e.seq in self.jobs or e.hold:
                 continue         # a held PUT waits for its file's next close
-            if any(e.path.startswith(p + "/") for p in moved):
+            if moved and _below_any(e.path, moved):
                 # staging may create the parents of e.path (file://: the temp file lives
                 # there): not before the earlier change of one of them has landed (a
                 # directory made there early would outlive a cancelled MKDIR)
@@ -250,6 +274,8 @@ class Persister:
             at = self._eligible_at(e)
             if at > now:
                 wake = min(wake, at - now)
+                if ordered and e.seq > self.urgent_seq:
+                    break
                 continue
             if staging >= self.concurrency:
                 break

@@ -44,6 +44,8 @@ from acache.meta import schema as K
 from acache.meta.kv import KV
 
 ROOT_INO = 1
+PATH_CHANGES = ("rename", "delete", "rmdir", "mkdir")   # ops that move or remove what is at
+                                                        # a path (MetaStore.path_changes)
 _NAMES = "surrogateescape"   # paths are str decoded with surrogateescape: any bytes
 log = logging.getLogger("acache.meta")
 
@@ -297,6 +299,10 @@ class MetaStore:
         # files would cost N x pending): ino -> seqs
         self._of_ino: dict[int, set[int]] = {}    # entries about the inode itself (e.ino)
         self._moves_of: dict[int, set[int]] = {}  # pending RENAMEs moving it (or a dir above)
+        # seq -> entry, in seq order: the PUTs, and the entries that change a path (what the
+        # persister's scheduler looks at, so that it never walks the whole head of the journal)
+        self._puts: dict[int, Entry] = {}
+        self._path_changes: dict[int, Entry] = {}
         self.on_freed = lambda ino, gen: None      # a cache file the journal let go of
         self.stale = False                          # memory may be ahead of the KV (undo failed)
         self._begun = self._ended = 0               # Txns made / committed (after_failure)
@@ -330,14 +336,22 @@ class MetaStore:
 
     # -- the journal's indexes ---------------------------------------------------
     def _index(self, e: Entry) -> None:
+        """Called in seq order (appends; loading and restoring walk the journal in order),
+        so the ordered indexes stay in seq order."""
         self._of_ino.setdefault(e.ino, set()).add(e.seq)
         for ino in e.inos if e.op == "rename" else ():
             self._moves_of.setdefault(ino, set()).add(e.seq)
+        if e.op == "put":
+            self._puts[e.seq] = e
+        elif e.op in PATH_CHANGES:
+            self._path_changes[e.seq] = e
 
     def _unindex(self, e: Entry) -> None:
         _drop(self._of_ino, e.ino, e.seq)
         for ino in e.inos if e.op == "rename" else ():
             _drop(self._moves_of, ino, e.seq)
+        self._puts.pop(e.seq, None)
+        self._path_changes.pop(e.seq, None)
 
     # -- reads -------------------------------------------------------------------
     def txn(self) -> Txn:
@@ -379,6 +393,14 @@ class MetaStore:
     def head(self, n: int) -> list[Entry]:
         """The ``n`` oldest entries."""
         return list(itertools.islice(self._journal.values(), n))
+
+    def pending_puts(self) -> Iterator[Entry]:
+        """The PUT entries, oldest first, lazily (do not change the journal while iterating)."""
+        return iter(self._puts.values())
+
+    def path_changes(self) -> Iterator[Entry]:
+        """The entries whose op is in PATH_CHANGES, oldest first, lazily (as pending_puts)."""
+        return iter(self._path_changes.values())
 
     def newest(self) -> Iterator[Entry]:
         """The entries newest first, lazily (do not change the journal while iterating)."""
@@ -527,6 +549,8 @@ class MetaStore:
             self._journal.update(journal)
             self._of_ino.clear()
             self._moves_of.clear()
+            self._puts.clear()
+            self._path_changes.clear()
             for e in journal.values():
                 self._index(e)
             self.stale = False

@@ -30,6 +30,7 @@ log = logging.getLogger("acache.node")
 # listed, and a missing name is never kept), so a name cannot go stale: a long timeout
 # spares a LOOKUP per path operation on a file not touched for a second.
 NATIVE_ENTRY_TIMEOUT = 60.0
+FLUSH_SCAN_GAP = 0.02     # s: how often a waiting `flush --wait` looks at the journal, at most
 
 
 def _check_writable(path: Path, what: str) -> None:
@@ -270,6 +271,7 @@ class Node:
         total_bytes = None
         hurried = t0
         while True:
+            scanned = time.monotonic()
             with meta.lock:
                 for ino in list(waiting_open):
                     if ino not in self.vfs._wopen or meta.get(ino) is None:
@@ -307,6 +309,12 @@ class Node:
                     raise FlushError(f"timed out after {timeout:g}s: {what} not yet persisted"
                                      + (f"; last error: {p.last_error}" if p.last_error else ""))
                 p.cond.wait(0.25)
+            # woken by every entry the persister applies: look again at most every
+            # FLUSH_SCAN_GAP, waiting outside the lock (a scan is O(what the barrier waits
+            # for) under the lock the mount and the persister need)
+            gap = time.monotonic() - scanned
+            if gap < FLUSH_SCAN_GAP:
+                time.sleep(FLUSH_SCAN_GAP - gap)
             if time.monotonic() - hurried > 5.0:   # a waiting barrier: retry at least every 5 s
                 hurried = time.monotonic()          # (the backoff grows to 30 s), so the end of
                 p.hurry(target)                     # an outage is noticed soon
