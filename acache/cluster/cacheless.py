@@ -76,16 +76,30 @@ class _UnderConn:
 
 class CachelessVFS(ClientVFS):
     def __init__(self, node_id: str, cache, under, ns, peer, *, chunk_size: int = 8 << 20,
-                 window: int = 16 << 20, piece: int = 1 << 20, senders: int = 32,
+                 window: int = 16 << 20, piece: int = 1 << 20, senders: int = 16,
                  read_chunk: int = 4 << 20, readahead: int = 2) -> None:
         super().__init__(node_id, cache, under, ns, peer, chunk_size=chunk_size)
         self.window, self.piece = window, piece
         self.read_chunk, self.readahead = read_chunk, readahead
-        self._pool = ThreadPoolExecutor(senders, thread_name_prefix="acache-remote-write")
+        self.senders = senders
+        # one pool of sender threads per worker: a slow worker's backlog holds its own
+        # threads, never those that feed the others
+        self._pools: dict[str, ThreadPoolExecutor] = {}
         self._rw: dict[int, _RWriting] = {}          # ino -> this node's write session
 
+    def _pool(self, holder: str) -> ThreadPoolExecutor:
+        with self.lock:
+            p = self._pools.get(holder)
+            if p is None:
+                p = self._pools[holder] = ThreadPoolExecutor(
+                    self.senders, thread_name_prefix=f"acache-write-{holder}")
+            return p
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for p in pools:
+            p.shutdown(wait=False, cancel_futures=True)
 
     # -- attributes: a file written here is as long as what was written ---------------------
     def _overlay(self, a: Attr) -> Attr:
@@ -135,7 +149,7 @@ class CachelessVFS(ClientVFS):
                           ino, holder, e)
                 self.ns("end_write", ino=ino, gen=gen)
                 raise FsError(errno.EIO) from None
-            writer = RemoteWriter(conn, ino, gen, holder, int(reply.get("size", 0)), pool=self._pool,
+            writer = RemoteWriter(conn, ino, gen, holder, int(reply.get("size", 0)), pool=self._pool(holder),
                                   window=self.window, piece=self.piece)
             with self.lock:
                 w = self._rw[ino] = _RWriting(gen, writer)
@@ -244,6 +258,13 @@ class CachelessVFS(ClientVFS):
         h = self._handle(fh)
         if not h.writable or h.writing is None:
             raise FsError(errno.EBADF)
+        if h.closed:
+            # a FLUSH came from a close(2) of a copy of the fd (a fork + exec of the
+            # writing process closes its child's copy) and the file is written on: it
+            # is open again, and the next FLUSH closes it again with what came since
+            with self.lock:
+                h.closed = False
+                h.writing.active.add(fh)
         wr = h.writing.writer
         if h.append:          # O_APPEND: at the end of what this session wrote
             with self._ino_lock(h.ino):
