@@ -137,9 +137,14 @@ def _check_timeout(timeout: float | None) -> None:
         raise ConfigError(f"--timeout {timeout:g}: expected a finite number of seconds >= 0")
 
 
+NoCacheOpt = typer.Option(False, "--no-cache",
+                          help="This node has no cache: the files it writes are placed on the "
+                          "cluster's workers (placement = hash; needs meta).")
+
+
 def _up_argv(cache_dir, ufs, config_file, cache_size, engine, metrics=None,
-             upload_limit=None) -> list[str]:
-    argv = []
+             upload_limit=None, no_cache=False) -> list[str]:
+    argv = ["--no-cache"] if no_cache else []
     for flag, value in (("--cache-dir", cache_dir), ("--ufs", ufs), ("--config", config_file),
                         ("--cache-size", cache_size), ("--engine", engine),
                         ("--metrics", metrics), ("--upload-limit", upload_limit)):
@@ -161,17 +166,19 @@ def up(cache_dir: Optional[Path] = typer.Option(None, help="Cache directory (loc
                                                   "timetable \"08:00,100MiB/s 20:00,off\"."),
        foreground: bool = typer.Option(False, "--foreground",
                                        help="Stay attached, log to stderr (systemd: Type=notify)."),
+       no_cache: bool = NoCacheOpt,
        home: Optional[Path] = HomeOpt) -> None:
     """Start the node daemon (in the background unless --foreground)."""
     s = _settings(home, config_file, cache_dir=cache_dir, ufs=ufs, cache_size=cache_size, engine=engine,
-                  metrics=metrics, upload_limit=upload_limit)
+                  metrics=metrics, upload_limit=upload_limit, placement="hash" if no_cache else None)
     if foreground:
         _run_foreground(s)
         return
     if is_running(s.socket_path):
         out.print(f"acache node already running ({s.socket_path})")
         return
-    _start_background(s, _up_argv(cache_dir, ufs, config_file, cache_size, engine, metrics, upload_limit))
+    _start_background(s, _up_argv(cache_dir, ufs, config_file, cache_size, engine, metrics, upload_limit,
+                                  no_cache))
     out.print(f"acache node up: cache {s.cache_path}, under-storage {s.ufs_url}, log {s.log_path}"
               + (f", metrics http://{s.metrics}/metrics" if s.metrics else ""))
 
@@ -202,12 +209,15 @@ def mount(path: Path = typer.Argument(..., help="Where to mount (an empty direct
           cache_dir: Optional[Path] = typer.Option(None, help="For a node started here."),
           ufs: Optional[str] = typer.Option(None, help="For a node started here."),
           config_file: Optional[Path] = ConfigOpt,
+          no_cache: bool = NoCacheOpt,
           home: Optional[Path] = HomeOpt) -> None:
     """Attach the FUSE mount to the running node (starting one if none runs)."""
-    s = _settings(home, config_file, cache_dir=cache_dir, ufs=ufs, engine=engine)
-    _start_background(s, _up_argv(cache_dir, ufs, config_file, None, engine))
+    s = _settings(home, config_file, cache_dir=cache_dir, ufs=ufs, engine=engine,
+                  placement="hash" if no_cache else None)
+    _start_background(s, _up_argv(cache_dir, ufs, config_file, None, engine, no_cache=no_cache))
     with Client(s.socket_path, timeout=120) as c:
-        res = c.call("mount", path=str(path.absolute()), engine=engine or "")
+        res = c.call("mount", path=str(path.absolute()), engine=engine or "",
+                     placement="hash" if no_cache else "")
     pt = ", kernel passthrough" if res.get("passthrough") else ""
     out.print(f"mounted {res['mountpoint']} ({res['engine']} engine{pt}: {res.get('why') or 'chosen'})",
               soft_wrap=True)

@@ -22,6 +22,10 @@
     meta        = "" (single-host, the embedded RocksDB) | "etcd://h1:2379,h2:2379/NAME": a member
                   of cluster NAME, its namespace in etcd (acache.cluster); needs listen
     node_id     = this node's name in the cluster (default: the host name)
+    placement   = local (a cluster node's files are written into its own cache: a *worker*) |
+                  hash (a node without a cache: each file it writes is placed on a live worker
+                  by rendezvous hashing of its inode; `acache mount --no-cache`); needs meta
+                  (acache.cluster.cacheless)
     [s3] endpoint, region, access_key, secret_key, session_token, addressing, part_size,
          multipart_threshold, concurrency, content_md5, verify_tls, connect_timeout,
          read_timeout
@@ -118,6 +122,7 @@ class Settings:
     transport: str = "auto"
     meta: str = ""
     node_id: str = ""
+    placement: str = "local"
     s3: dict = field(default_factory=dict)
     # key -> where its value came from ("config file X, line N", "environment ACACHE_X", "--x")
     sources: dict = field(default_factory=dict, compare=False, repr=False)
@@ -322,7 +327,11 @@ _CASTS = {
     "upload_limit": _upload_limit, "metrics": _metrics,
     "transport": _choice("auto", "tcp", "rdma"),
     "meta": lambda v: _meta_url(v), "node_id": lambda v: _node_id(v),
+    "placement": _choice("local", "hash"),
 }
+
+
+_FLAG_NAMES = {"placement": "--no-cache"}      # settings set by a flag of another name
 
 
 def _meta_url(value: object) -> str:
@@ -424,7 +433,7 @@ def load(config: Path | None = None, **flags) -> Settings:
     for key, value in flags.items():
         if value is not None:
             if key in _CASTS:
-                sources[key] = f"--{key.replace('_', '-')}"
+                sources[key] = _FLAG_NAMES.get(key, f"--{key.replace('_', '-')}")
                 values[key] = _cast(key, value, sources[key])
             else:
                 values[key] = value
@@ -433,6 +442,10 @@ def load(config: Path | None = None, **flags) -> Settings:
         raise ConfigError(f"cache_size = {s.cache_size} ({s.source('cache_size')}) is smaller than "
                           f"chunk_size = {s.chunk_size} ({s.source('chunk_size')})")
     _check_peer_auth(s)
+    if s.placement == "hash" and not s.meta:
+        raise ConfigError(f"placement = hash ({s.source('placement')}) writes files into the "
+                          "caches of a cluster's workers: set meta = \"etcd://HOST:PORT/NAME\" "
+                          "(a node without a cache needs a cluster)")
     return replace(s, home=Path(s.home))
 
 

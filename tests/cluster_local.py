@@ -6,6 +6,8 @@
         c.head()                         # the node id holding the head role (from etcd)
 
 Node i is ``n<i>`` listening on a free loopback port (loopback: no secret needed).
+``cacheless=k``: the last k nodes have no cache (placement = "hash": their files are placed
+on the other nodes, the workers; acache.cluster.cacheless).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def free_port() -> int:
 class LocalCluster:
     def __init__(self, root: Path, etcd, n: int = 2, engine: str = "pyfuse3",
                  flush_delay: float = 0.2, extra: str = "", ufs: str | None = None,
-                 extra_env: dict | None = None) -> None:
+                 extra_env: dict | None = None, cacheless: int = 0) -> None:
         self.root = Path(root)
         self.etcd = etcd
         self.name = "c" + uuid.uuid4().hex[:10]
@@ -37,7 +39,8 @@ class LocalCluster:
         self.nodes: list[AcacheNode] = []
         for i in range(1, n + 1):
             cfg = (f'meta = "{self.url}"\nlisten = "127.0.0.1:{free_port()}"\n'
-                   f'node_id = "n{i}"\n{extra}')
+                   f'node_id = "n{i}"\n{extra}'
+                   + ('placement = "hash"\n' if i > n - cacheless else ""))
             self.nodes.append(AcacheNode(self.root / f"n{i}", engine=engine, ufs=self.ufs,
                                          flush_delay=flush_delay, config=cfg, extra_env=extra_env))
 

@@ -110,9 +110,12 @@ class HeadVFS(VFS):
         return {"gen": node.gen, "holder": node.node, "cached": node.cached,
                 "upath": node.upath, "size": node.size}
 
-    def open_write(self, ino: int, trunc: bool, holder: str) -> dict:
+    def open_write(self, ino: int, trunc: bool, holder: str,
+                   place: Callable[[int], str] | None = None) -> dict:
         """A write session of ``holder`` on the file: always a generation of its own (never
-        one a PUT or a reader elsewhere refers to), unless it has one open already."""
+        one a PUT or a reader elsewhere refers to), unless it has one open already.
+        ``place``: the writer has no cache (acache.cluster.cacheless): the new generation's
+        holder is ``place(ino)``, a worker, not the writer."""
         with self.lock:
             node = self._node(ino)
             if node.is_dir:
@@ -122,13 +125,15 @@ class HeadVFS(VFS):
             if w is not None:            # the node opens it again: the same session
                 if trunc:
                     node.size = 0
-                return {"gen": node.gen, "same": True, "src": None, "attr": attr_dict(self.attr(node))}
+                return {"gen": node.gen, "same": True, "src": None, "holder": node.node,
+                        "attr": attr_dict(self.attr(node))}
             src = None if trunc or not node.size else self._source(node)
+            new_holder = place(ino) if place is not None else holder
             old_gen, old_holder = node.gen, node.node
             txn = self.meta.txn()
             self._holder_of[(ino, old_gen)] = old_holder
             node.gen += 1
-            node.node = holder
+            node.node = new_holder
             node.cached = True
             if trunc:
                 node.size = 0
@@ -142,10 +147,11 @@ class HeadVFS(VFS):
                 self.pinned[(ino, old_gen)] = self.pinned.get((ino, old_gen), 0) + 1
             else:
                 self.gc_gen(ino, old_gen)
-            return {"gen": node.gen, "same": False, "src": src, "attr": attr_dict(self.attr(node))}
+            return {"gen": node.gen, "same": False, "src": src, "holder": node.node,
+                    "attr": attr_dict(self.attr(node))}
 
     def create_file(self, parent: int, name: bytes, mode: int, flags: int, ctx: Ctx,
-                    holder: str) -> dict:
+                    holder: str, place: Callable[[int], str] | None = None) -> dict:
         self._check_name(name)
         existing = self._child(parent, name)
         if existing is not None:
@@ -153,7 +159,7 @@ class HeadVFS(VFS):
                 raise FsError(errno.EEXIST)
             if existing.is_dir:
                 raise FsError(errno.EISDIR)
-            out = self.open_write(existing.ino, bool(flags & os.O_TRUNC), holder)
+            out = self.open_write(existing.ino, bool(flags & os.O_TRUNC), holder, place)
             out["ino"] = existing.ino
             return out
         with self.lock:
@@ -166,12 +172,18 @@ class HeadVFS(VFS):
             node = self.meta.new_inode(txn, mode=0o100000 | mode, uid=ctx.uid, gid=gid,
                                        atime_ns=now, mtime_ns=now, ctime_ns=now, parent=parent,
                                        name=name, dirty=True, cached=True, node=holder)
+            if place is not None:
+                try:
+                    node.node = place(node.ino)
+                except FsError as e:             # no live worker: undo the uncommitted inode
+                    self.meta.after_failure(e)
+                    raise
             txn.link(parent, name, node.ino)
             self._touch_dir(txn, p)
             txn.commit()
             self.writers[node.ino] = [holder, 1]
             return {"ino": node.ino, "gen": node.gen, "same": False, "src": None,
-                    "attr": attr_dict(self.attr(node))}
+                    "holder": node.node, "attr": attr_dict(self.attr(node))}
 
     def copied(self, ino: int, gen: int) -> None:
         """A writer finished copying generation ``gen`` (its open's ``src``)."""
@@ -183,12 +195,20 @@ class HeadVFS(VFS):
                 self.pinned.pop((ino, gen), None)
                 self.gc_gen(ino, gen)
 
+    def _writes(self, node: Inode | None, gen: int, writer: str) -> bool:
+        """Is ``writer`` the node writing generation ``gen``: its holder, or the cacheless
+        client that has it open for writing on a worker (acache.cluster.cacheless)?"""
+        if node is None or node.gen != gen:
+            return False
+        w = self.writers.get(node.ino)
+        return node.node == writer or (w is not None and w[0] == writer)
+
     def close_write(self, ino: int, gen: int, holder: str, size: int, mtime_ns: int,
                     ctime_ns: int) -> None:
         """The holder's last writer closed the file: journal its commit (a PUT)."""
         with self.lock:
             node = self.meta.get(ino)
-            if node is None or node.gen != gen or node.node != holder:
+            if not self._writes(node, gen, holder):
                 return
             txn = self.meta.txn()
             node.size = size
@@ -196,7 +216,7 @@ class HeadVFS(VFS):
             node.ctime_ns = max(node.ctime_ns, ctime_ns)
             if node.nlink > 0:
                 e = journal.journal_put(self.meta, txn, self.persister, node)
-                e.node = holder
+                e.node = node.node           # where the bytes are (a worker, for a cacheless writer)
                 txn.update_entry(e)
             node.dirty = False
             node.synced = -1
@@ -225,7 +245,7 @@ class HeadVFS(VFS):
         """fsync on the holder: its bytes are durable there; the size is recorded durably."""
         with self.lock:
             node = self.meta.get(ino)
-            if node is None or node.gen != gen or node.node != holder:
+            if not self._writes(node, gen, holder):
                 self.meta.sync()
                 return
             node.size = size

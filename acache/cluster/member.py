@@ -59,14 +59,32 @@ class Member:
         self._notes: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(NOTE_THREADS):
             threading.Thread(target=self._note_loop, name=f"acache-notify-{i}", daemon=True).start()
-        self.vfs = ClientVFS(node_id, cache, under, self.ns, self.conn, chunk_size=settings.chunk_size)
+        # a node without a cache (placement = "hash") writes into workers' caches
+        # (acache.cluster.cacheless), takes no placed files and never runs the head (its
+        # persister would need a cache); a worker serves their write sessions
+        self.worker = settings.placement != "hash"
+        if self.worker:
+            self.vfs = ClientVFS(node_id, cache, under, self.ns, self.conn,
+                                 chunk_size=settings.chunk_size)
+        else:
+            from acache.cluster.cacheless import CachelessVFS
+            self.vfs = CachelessVFS(node_id, cache, under, self.ns, self.conn,
+                                    chunk_size=settings.chunk_size)
         self.listener = self.transport.listen(settings.listen)
         self.address = settings.advertise or self.listener.address
         for op in ("read", "drop", "clean"):
             self.listener.register(f"data.{op}", getattr(self, f"_data_{op}"))
+        self.sessions = None
+        if self.worker:
+            from acache.cluster.worker import WriteSessions
+            self.sessions = WriteSessions(self.vfs, cache)
+            self.sessions.register(self.listener)
         self.listener.register("ns", self._serve_ns)
         self.listener.start()
         caps = ("rdma",) if self.transport.name == "rdma" and getattr(self.transport, "dev", None) else ()
+        if self.worker:
+            from acache.cluster.placement import WORKER
+            caps += (WORKER,)
         self.registration = self.cluster.register(node_id, self.address, caps, ttl=LEASE_TTL)
         self.vfs.recover()
         self._campaign_once()
@@ -139,6 +157,7 @@ class Member:
         for m in self.cluster.members():
             c = self._conns.get(m.record.id)
             out.append({"id": m.record.id, "address": m.record.address, "alive": m.alive,
+                        "worker": "worker" in m.record.capabilities,
                         "head": m.record.id == self._head_id,
                         "transport": "self" if m.record.id == self.node_id else
                         (c.path if c is not None else "not connected")})
@@ -258,6 +277,9 @@ class Member:
         from acache.meta.etcd import Compare, Put
         if self.head is not None or self._stop.is_set():
             return
+        if not self.worker:              # no cache for the head's persister: only learn who it is
+            self._read_head()
+            return
         try:
             lease = self.registration.lease_id
             res = self.client.txn([Compare.absent(self.head_key)],
@@ -328,6 +350,8 @@ class Member:
         for _ in range(NOTE_THREADS):
             self._notes.put(None)
         self.listener.close()
+        if not self.worker:
+            self.vfs.close()
         for c in list(self._conns.values()):
             c.close()
         self.client.close()
@@ -355,6 +379,8 @@ class _Head:
                            node_id=member.node_id, notify=member.notify, chunk_size=s.chunk_size)
         self.persister.pull = self._pull
         self.cache = member.cache
+        from acache.cluster.placement import Placement
+        self.placement = Placement(member.cluster)
         from collections import OrderedDict
         self._blocked: tuple[str, float] = ("", 0.0)     # (node, since) for status
         self._done_lock = threading.Lock()
@@ -366,6 +392,7 @@ class _Head:
         self.persister.start()
 
     def close(self) -> None:
+        self.placement.close()
         try:
             self.persister.stop()
         finally:
@@ -509,11 +536,21 @@ class _Head:
         self.vfs.removexattr(a["ino"], a["name"])
         return {}
 
+    def _place(self, a):
+        """A cacheless writer's files go to a worker (acache.cluster.placement)."""
+        if not a.get("place"):
+            return None
+        if not self.placement.workers():
+            log.error("no live cache worker for a new file of a cacheless client: EIO")
+            raise FsError(errno.EIO)
+        return self.placement.choose
+
     def op_create(self, frm, a):
-        return self.vfs.create_file(a["parent"], a["name"], a["mode"], a["flags"], self._ctx(a), frm)
+        return self.vfs.create_file(a["parent"], a["name"], a["mode"], a["flags"], self._ctx(a), frm,
+                                    self._place(a))
 
     def op_open_write(self, frm, a):
-        return self.vfs.open_write(a["ino"], bool(a["trunc"]), frm)
+        return self.vfs.open_write(a["ino"], bool(a["trunc"]), frm, self._place(a))
 
     def op_open_read(self, frm, a):
         return self.vfs.open_read(a["ino"], frm)
@@ -621,7 +658,23 @@ class _Head:
                     self._blocked = (blocked, time.time())
             else:
                 self._blocked = ("", 0.0)
-            return {"head": self.member.node_id, "queue": len(journal),
+            cached_by: dict[str, int] = {}
+            files = []
+            rel = a.get("path")
+            for n in meta.inodes():
+                if n.is_dir or n.nlink == 0:
+                    continue
+                if n.cached and n.node:
+                    cached_by[n.node] = cached_by.get(n.node, 0) + 1
+                if rel is not None:
+                    fp = meta.path_of(n.ino)
+                    if self._under(fp, rel):
+                        files.append({"path": fp, "holder": n.node if n.cached else "",
+                                      "size": n.size, "gen": n.gen})
+            out = {"workers": self.placement.workers(), "cached_files": cached_by}
+            if rel is not None:
+                out["files"] = sorted(files, key=lambda f: f["path"])
+            return {**out, "head": self.member.node_id, "queue": len(journal),
                     "queue_bytes": sum(e.size for e in journal),
                     "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
                     "persisted_files": p.files_done, "last_error": p.last_error,

@@ -159,8 +159,14 @@ class Node:
             return "pyfuse3", "asked for", None
         raise ConfigError(f"unknown engine {want!r} (auto, native, pyfuse3)")
 
-    def mount(self, path: str, engine: str = "") -> dict:
+    def mount(self, path: str, engine: str = "", placement: str = "") -> dict:
         path = os.path.abspath(path)
+        if placement and placement != self.settings.placement:
+            raise ConfigError(
+                f"the running node has placement = {self.settings.placement} "
+                f"({self.settings.source('placement')}), this mount asks for {placement}"
+                + (" (--no-cache)" if placement == "hash" else "")
+                + ": `acache down` first, so the node starts again with the mount's setting")
         if self.engine is not None:
             raise ConfigError(f"already mounted at {self.mountpoint}; `acache umount {self.mountpoint}` first")
         clean_stale_mount(path)
@@ -391,7 +397,8 @@ class Node:
                "upload_limit": limit.describe(self.limiter.rate()),
                "upload_limit_setting": self.limiter.schedule.text,
                "uploaded_bytes": self.limiter.taken, "fuse_requests": {},
-               "cluster": {"meta": self.settings.meta, "node": m.node_id, "address": m.address}}
+               "cluster": {"meta": self.settings.meta, "node": m.node_id, "address": m.address,
+                           "placement": self.settings.placement}}
         out["lost_found_files"], out["lost_found_bytes"] = c.lost_found()
         out["lost_found_dir"] = c.lost_dir
         try:
@@ -399,7 +406,7 @@ class Node:
         except MetaError as e:
             out["cluster"]["error"] = str(e)
         try:
-            h = m.ns("status")
+            h = m.ns("status", **({"path": self.rel(path)} if path else {}))
         except FsError as e:
             h = {"error": f"the head does not answer: {e}"}
         out["cluster"].update(h)

@@ -253,7 +253,7 @@ class ControlServer:
         if op == "mount":
             if not req.get("path"):
                 raise AcacheError("bad request: mount needs a path")
-            return n.mount(req["path"], req.get("engine") or "")
+            return n.mount(req["path"], req.get("engine") or "", req.get("placement") or "")
         if op == "umount":
             return n.umount(req.get("path"))
         if op == "flush":
