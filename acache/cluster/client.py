@@ -386,11 +386,27 @@ class ClientVFS:
         h = self._handle(fh)
         if not h.writable:
             raise FsError(errno.EBADF)
+        if h.closed:
+            self._written_after_close(h)
         if h.append:
             return self._append(h, data)
         n = os.pwrite(h.fd, data, offset)
         self.cache.grow(h.ino, h.gen, offset + n)
         return n
+
+    def _written_after_close(self, h: _Handle) -> None:
+        """A FLUSH came from a close(2) of a copy of the descriptor (a fork + exec closes the
+        child's copy, a dup) and the file is written on: it is open again.  The head cancels
+        what that close journaled and has not started persisting (its bytes are not the
+        file's content); the next FLUSH journals it again."""
+        with self.lock:
+            if not h.closed:
+                return
+            h.closed = False
+            w = self._wopen.get(h.ino)
+            if w is not None:
+                w.active.add(h.fh)
+        self.ns("reopen", ino=h.ino, gen=h.gen)
 
     def _append(self, h: _Handle, data) -> int:
         """O_APPEND: the kernel's offset is its cached size, which another host's close may
@@ -403,7 +419,7 @@ class ClientVFS:
 
     def write_fast(self, fh: int, offset: int, data) -> int | None:
         h = self._handles.get(fh)
-        if h is None or not h.writable or h.append or not self.cache.has_room(len(data)):
+        if h is None or not h.writable or h.append or h.closed or not self.cache.has_room(len(data)):
             return None
         n = os.pwrite(h.fd, data, offset)
         self.cache.account(h.ino, h.gen, offset + n)
@@ -419,6 +435,8 @@ class ClientVFS:
         h = self._handle(fh)
         if not h.writable:
             raise FsError(errno.EBADF)
+        if h.closed:
+            self._written_after_close(h)
         import ctypes
         if _libc.fallocate(h.fd, mode, offset, length) != 0:
             raise FsError(ctypes.get_errno())
@@ -428,7 +446,10 @@ class ClientVFS:
     def _truncate(self, ino: int, fh: int | None, size: int) -> None:
         with self.lock:
             w = self._wopen.get(ino)
+            h = self._handles.get(fh) if fh is not None else None
         if w is not None:
+            if h is not None and h.writable and h.closed:
+                self._written_after_close(h)
             os.ftruncate(w.fd, size)
             return
         fh = self.open(ino, os.O_WRONLY | (os.O_TRUNC if size == 0 else 0))

@@ -241,6 +241,19 @@ class HeadVFS(VFS):
         else:
             self.gc_gen(ino, gen)
 
+    def reopen_write(self, ino: int, gen: int, holder: str) -> None:
+        """The holder writes on after a close that came from a copy of the descriptor: what
+        that close journaled and has not started is cancelled (journal.on_reopen)."""
+        with self.lock:
+            node = self.meta.get(ino)
+            if node is None or node.gen != gen:
+                return
+            txn = self.meta.txn()
+            journal.on_reopen(self.meta, txn, self.persister, node)
+            node.dirty = True
+            txn.save(node)
+            txn.commit()
+
     def sync_write(self, ino: int, gen: int, holder: str, size: int, mtime_ns: int) -> None:
         """fsync on the holder: its bytes are durable there; the size is recorded durably."""
         with self.lock:

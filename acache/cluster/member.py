@@ -563,6 +563,10 @@ class _Head:
         self.vfs.close_write(a["ino"], a["gen"], frm, a["size"], a["mtime_ns"], a["ctime_ns"])
         return {}
 
+    def op_reopen(self, frm, a):
+        self.vfs.reopen_write(a["ino"], a["gen"], frm)
+        return {}
+
     def op_end_write(self, frm, a):
         self.vfs.end_write(a["ino"], a["gen"], frm)
         return {}

@@ -231,3 +231,21 @@ def test_journal_and_skip_from_any_node(tmp_path, etcd1):
         other.cli("journal", "skip", str(seqs["lost"]), "--reason", "disk gone")
         other.flush(timeout=60)
         assert c.ufs_files() == {"kept": b"y" * 10}
+
+
+def test_writes_after_a_dup_is_closed_are_not_lost(tmp_path, etcd1):
+    """close(2) of a dup'd descriptor sends FLUSH while the owner writes on (a fork + exec
+    does the same): the final close journals everything, on the other node and in the
+    under-storage."""
+    with LocalCluster(tmp_path, etcd1, 2, flush_delay=0.0) as c:
+        a, b = c.nodes
+        fd = os.open(a.mnt / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"1" * 5000)
+        os.close(os.dup(fd))                       # FLUSH: looks closed
+        os.write(fd, b"2" * 7000)
+        os.ftruncate(fd, 11000)
+        os.close(fd)
+        want = b"1" * 5000 + b"2" * 6000
+        assert (b.mnt / "f").read_bytes() == want
+        b.flush()
+        assert c.ufs_files() == {"f": want}
