@@ -64,6 +64,13 @@ class HeadVFS(VFS):
     def journal_unjournaled(self) -> list[int]:
         return []                        # a close is journaled by the head or fails (EIO)
 
+    def _write_fd(self, node: Inode) -> int | None:
+        """Never this node's cache file: a file open for writing is written on its writer's
+        node (whose ClientVFS overlays its own size), so the namespace's size is what that
+        node's close or fsync recorded.  The head's cache may hold that generation too -- an
+        empty copy being filled for a reader here -- and its size is not the file's."""
+        return None
+
     # -- who has what open -------------------------------------------------------------
     def _open_count(self, ino: int) -> int:
         n = super()._open_count(ino)

@@ -301,3 +301,28 @@ if "ACACHE_CMODEL_SEEDS" in os.environ:      # a sweep / replay tool, collected 
         delay = float(os.environ.get("ACACHE_CMODEL_DELAY", _DELAYS[seed % len(_DELAYS)]))
         run_cluster_model(tmp_path, etcd1, engine, seed, nops, delay)
 
+
+
+# -- what the model found, each reduced to a small deterministic case ---------------------------
+def test_head_reads_a_file_closed_on_another_node_before_its_release(tmp_path, etcd1, engine):
+    """close(2) on B returns once its FLUSH is answered; the RELEASE follows on its own (here:
+    held back by a dup of the descriptor).  Until it arrives the head counts B's write session
+    as open -- and took the file's size from the head node's own cache file of that generation,
+    which the head node's reader had just created empty: a read on the head right after B's
+    close saw an empty file."""
+    with LocalCluster(tmp_path, etcd1, 2, engine=engine) as c:
+        head = c.node(c.wait_head())
+        other = c.nodes[1 if head is c.nodes[0] else 0]
+        data = os.urandom(100_000)
+        fd = os.open(other.mnt / "f", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        os.write(fd, data)
+        fd2 = os.dup(fd)
+        try:
+            os.close(fd)                      # FLUSH: closed and journaled; no RELEASE yet
+            with open(head.mnt / "f", "rb") as f:
+                assert os.fstat(f.fileno()).st_size == len(data)
+                assert f.read() == data
+        finally:
+            os.close(fd2)
+        other.flush()
+        assert c.ufs_files() == {"f": data}
