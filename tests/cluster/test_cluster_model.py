@@ -41,6 +41,7 @@ import errno
 import os
 import random
 import re
+import threading
 import time
 
 import pytest
@@ -326,3 +327,47 @@ def test_head_reads_a_file_closed_on_another_node_before_its_release(tmp_path, e
             os.close(fd2)
         other.flush()
         assert c.ufs_files() == {"f": data}
+
+
+def test_write_open_waits_for_the_other_nodes_release(tmp_path, etcd1, engine):
+    """A write open on B right after A's close(2) returned must succeed: the file is closed.
+    But A's RELEASE, which ends its write session at the head, comes after the close, on its
+    own, and the head answered EBUSY while it was in flight (the model met it as a spurious
+    EBUSY one step after a close on the other node).  Here a dup holds A's RELEASE back for
+    0.5 s, deterministically: B's open waits for it, then succeeds and reads A's bytes."""
+    with LocalCluster(tmp_path, etcd1, 2, engine=engine) as c:
+        a, b = c.nodes
+        fd = os.open(a.mnt / "f", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        os.write(fd, b"from a")
+        fd2 = os.dup(fd)
+        os.close(fd)                                   # closed: FLUSH; the RELEASE waits for fd2
+        t = threading.Timer(0.5, os.close, [fd2])
+        t.start()
+        try:
+            with open(b.mnt / "f", "r+b") as f:
+                assert f.read() == b"from a"
+                f.write(b", then b")
+        finally:
+            t.join()
+        assert (a.mnt / "f").read_bytes() == b"from a, then b"
+
+
+def test_write_open_still_ebusy_while_other_node_may_write(tmp_path, etcd1):
+    """What the wait for a RELEASE must not change: a node that closed one descriptor but holds
+    a dup of it may still write, so a write open elsewhere is EBUSY (after the wait)."""
+    with LocalCluster(tmp_path, etcd1, 2) as c:
+        a, b = c.nodes
+        fd = os.open(a.mnt / "f", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        os.write(fd, b"a")
+        fd2 = os.dup(fd)
+        os.close(fd)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(OSError) as ei:
+                os.open(b.mnt / "f", os.O_WRONLY)
+            assert ei.value.errno == errno.EBUSY and time.monotonic() - t0 < 10
+        finally:
+            os.close(fd2)
+        with open(b.mnt / "f", "ab") as f:           # released now: B may write
+            f.write(b"c")
+        assert (a.mnt / "f").read_bytes() == b"ac"
