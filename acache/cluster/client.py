@@ -43,6 +43,7 @@ class _Handle:
     reader: Callable | None = None
     closed: bool = False
     append: bool = False          # O_APPEND: every write lands at the end of what is here
+    live: bool = False            # a generation another node is writing: read from it, no copy
 
 
 @dataclass
@@ -331,6 +332,16 @@ class ClientVFS:
                 return self._new(_Handle(0, ino, w.gen, fd, False))
         r = self.ns("open_read", ino=ino)
         gen, size = r["gen"], r["size"]
+        if r.get("writing") and size:
+            # another node writes this generation now: its bytes change under a copy, so a
+            # copy here would be read later as the generation's whole bytes -- read from the
+            # writer each time instead (what it has now; the close-to-open rule promises no more)
+            reader = self._reader(r, ino)
+            if reader is None:
+                self.ns("end_read", ino=ino, gen=gen)
+                raise FsError(errno.EIO, f"no copy of inode {ino} is reachable")
+            return self._new(_Handle(0, ino, gen, -1, False, size=size, complete=False,
+                                     reader=reader, live=True))
         try:
             whole = size == 0 or self._local_whole(ino, gen, size, r.get("holder", ""))
             reader = None if whole else self._reader(r, ino)
@@ -348,6 +359,9 @@ class ClientVFS:
     # -- data ----------------------------------------------------------------------------------
     def read(self, fh: int, offset: int, size: int) -> bytes:
         h = self._handle(fh)
+        if h.live:
+            n = max(0, min(size, h.size - offset))
+            return h.reader(offset, n) if n else b""
         if not h.complete and (h.ino, h.gen) not in self._complete:
             n = max(0, min(size, h.size - offset))
             if n == 0:
@@ -362,7 +376,7 @@ class ClientVFS:
 
     def read_fast(self, fh: int, offset: int, size: int) -> bytes | None:
         h = self._handles.get(fh)
-        if h is None or not (h.complete or (h.ino, h.gen) in self._complete):
+        if h is None or h.live or not (h.complete or (h.ino, h.gen) in self._complete):
             return None
         return os.pread(h.fd, size, offset)
 
@@ -442,6 +456,8 @@ class ClientVFS:
 
     def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
+        if h.live:
+            return                      # nothing of it here
         (os.fdatasync if datasync else os.fsync)(h.fd)
         fd = os.open(self.cache.dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -478,8 +494,9 @@ class ClientVFS:
             elif not h.writable:
                 self.ns("end_read", ino=h.ino, gen=h.gen)
         finally:
-            self.cache.release(h.ino, h.gen, write=h.writable)
-            self._maybe_drop(h.ino, h.gen)
+            if not h.live:
+                self.cache.release(h.ino, h.gen, write=h.writable)
+                self._maybe_drop(h.ino, h.gen)
 
     def flush_handle_on_release(self, h: _Handle) -> None:
         """A RELEASE without a FLUSH (the kernel sends FLUSH per close(2); a handle the

@@ -271,6 +271,8 @@ class HeadVFS(VFS):
             d[holder] = d.get(holder, 0) + 1
             out = self._source(node)
             out["attr"] = attr_dict(self.attr(node))
+            w = self.writers.get(ino)
+            out["writing"] = w is not None and w[0] != holder     # that generation is not done
             return out
 
     def end_read(self, ino: int, gen: int, holder: str) -> None:

@@ -371,3 +371,27 @@ def test_write_open_still_ebusy_while_other_node_may_write(tmp_path, etcd1):
         with open(b.mnt / "f", "ab") as f:           # released now: B may write
             f.write(b"c")
         assert (a.mnt / "f").read_bytes() == b"ac"
+
+
+def test_read_while_another_node_writes_is_not_kept_as_the_file(tmp_path, etcd1, engine):
+    """B reads a file while A writes it (what B sees then is not promised), A goes on writing
+    and closes, B opens it again: B must read what A's close left.  B kept its first read as a
+    copy of that generation and marked it whole, so the later open read the old bytes (and a
+    read past what A's cache file held then failed with EIO, "short read")."""
+    with LocalCluster(tmp_path, etcd1, 2, engine=engine) as c:
+        a, b = c.nodes
+        (a.mnt / "f").write_bytes(b"x" * 5000)
+        with open(a.mnt / "f", "r+b") as f:
+            f.write(b"y" * 100)
+            f.flush()
+            os.fsync(f.fileno())
+            during = (b.mnt / "f").read_bytes()
+            assert len(during) == 5000                 # the size A's fsync recorded
+            f.truncate(10)                             # now shorter than what B was told
+            f.seek(0, 2)
+            f.write(b"z" * 9000)
+            assert len((b.mnt / "f").read_bytes()) <= 5000    # no EIO
+        want = b"y" * 10 + b"z" * 9000
+        assert (b.mnt / "f").read_bytes() == want
+        b.flush()
+        assert c.ufs_files() == {"f": want}
