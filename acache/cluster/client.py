@@ -11,7 +11,9 @@ under-storage once it is persisted and no cache holds it any more.
 
 Consistency across nodes is close-to-open: a file closed on A reads whole on B from an open
 that starts after the close returned (the open asks the head which generation is current);
-names and attributes on B's kernel are cached for ``ENTRY_TIMEOUT`` (1 s) at most.
+names and attributes on B's kernel are cached for ``ENTRY_TIMEOUT`` (1 s) at most.  An open
+on B of a file open for writing on A reads what A's cache file holds at each read (no copy is
+kept: that generation is not finished); its size is what A's last fsync or close recorded.
 """
 from __future__ import annotations
 
