@@ -83,9 +83,12 @@ class ClientVFS:
         return Attr(**d)
 
     def _overlay(self, a: Attr) -> Attr:
-        w = self._wopen.get(a.ino)
-        if w is not None:       # written here now: the cache file's size and times are the file's
-            s = os.fstat(w.fd)
+        # under the lock: the last release takes the session out of _wopen under it before
+        # the cache closes the fd (else fstat of a closed -- or reused -- descriptor)
+        with self.lock:
+            w = self._wopen.get(a.ino)
+            s = os.fstat(w.fd) if w is not None else None
+        if s is not None:       # written here now: the cache file's size and times are the file's
             a.size, a.blocks = s.st_size, s.st_blocks
             a.mtime_ns, a.ctime_ns = max(a.mtime_ns, s.st_mtime_ns), max(a.ctime_ns, s.st_ctime_ns)
         return a
