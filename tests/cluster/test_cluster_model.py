@@ -274,7 +274,7 @@ def run_cluster_model(tmp_path, etcd1, engine: str, seed: int, nops: int, delay:
 
 
 # (seed, ops, flush_delay) on each engine: the CI part (keep it short; sweep with the env vars)
-RUNS = [(1, 250, 0.0), (2, 250, 0.05)]
+RUNS = [(1, 200, 0.0), (2, 200, 0.05)]
 
 
 @pytest.mark.e2e
