@@ -11,7 +11,9 @@ under-storage once it is persisted and no cache holds it any more.
 
 Consistency across nodes is close-to-open: a file closed on A reads whole on B from an open
 that starts after the close returned (the open asks the head which generation is current);
-names and attributes on B's kernel are cached for ``ENTRY_TIMEOUT`` (1 s) at most.
+names and attributes on B's kernel are cached for ``ENTRY_TIMEOUT`` (1 s) at most.  An open
+on B of a file open for writing on A reads what A's cache file holds at each read (no copy is
+kept: that generation is not finished); its size is what A's last fsync or close recorded.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ class _Handle:
     reader: Callable | None = None
     closed: bool = False
     append: bool = False          # O_APPEND: every write lands at the end of what is here
+    live: bool = False            # a generation another node is writing: read from it, no copy
 
 
 @dataclass
@@ -83,9 +86,12 @@ class ClientVFS:
         return Attr(**d)
 
     def _overlay(self, a: Attr) -> Attr:
-        w = self._wopen.get(a.ino)
-        if w is not None:       # written here now: the cache file's size and times are the file's
-            s = os.fstat(w.fd)
+        # under the lock: the last release takes the session out of _wopen under it before
+        # the cache closes the fd (else fstat of a closed -- or reused -- descriptor)
+        with self.lock:
+            w = self._wopen.get(a.ino)
+            s = os.fstat(w.fd) if w is not None else None
+        if s is not None:       # written here now: the cache file's size and times are the file's
             a.size, a.blocks = s.st_size, s.st_blocks
             a.mtime_ns, a.ctime_ns = max(a.mtime_ns, s.st_mtime_ns), max(a.ctime_ns, s.st_ctime_ns)
         return a
@@ -347,6 +353,16 @@ class ClientVFS:
                 return self._new(_Handle(0, ino, w.gen, fd, False))
         r = self.ns("open_read", ino=ino)
         gen, size = r["gen"], r["size"]
+        if r.get("writing") and size:
+            # another node writes this generation now: its bytes change under a copy, so a
+            # copy here would be read later as the generation's whole bytes -- read from the
+            # writer each time instead (what it has now; the close-to-open rule promises no more)
+            reader = self._reader(r, ino)
+            if reader is None:
+                self.ns("end_read", ino=ino, gen=gen)
+                raise FsError(errno.EIO, f"no copy of inode {ino} is reachable")
+            return self._new(_Handle(0, ino, gen, -1, False, size=size, complete=False,
+                                     reader=reader, live=True))
         try:
             whole = size == 0 or self._local_whole(ino, gen, size, r.get("holder", ""))
             reader = None if whole else self._reader(r, ino)
@@ -364,6 +380,9 @@ class ClientVFS:
     # -- data ----------------------------------------------------------------------------------
     def read(self, fh: int, offset: int, size: int) -> bytes:
         h = self._handle(fh)
+        if h.live:
+            n = max(0, min(size, h.size - offset))
+            return h.reader(offset, n) if n else b""
         if not h.complete and (h.ino, h.gen) not in self._complete:
             n = max(0, min(size, h.size - offset))
             if n == 0:
@@ -378,7 +397,7 @@ class ClientVFS:
 
     def read_fast(self, fh: int, offset: int, size: int) -> bytes | None:
         h = self._handles.get(fh)
-        if h is None or not (h.complete or (h.ino, h.gen) in self._complete):
+        if h is None or h.live or not (h.complete or (h.ino, h.gen) in self._complete):
             return None
         return os.pread(h.fd, size, offset)
 
@@ -479,6 +498,8 @@ class ClientVFS:
 
     def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
+        if h.live:
+            return                      # nothing of it here
         (os.fdatasync if datasync else os.fsync)(h.fd)
         fd = os.open(self.cache.dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -515,8 +536,9 @@ class ClientVFS:
             elif not h.writable:
                 self.ns("end_read", ino=h.ino, gen=h.gen)
         finally:
-            self.cache.release(h.ino, h.gen, write=h.writable)
-            self._maybe_drop(h.ino, h.gen)
+            if not h.live:
+                self.cache.release(h.ino, h.gen, write=h.writable)
+                self._maybe_drop(h.ino, h.gen)
 
     def flush_handle_on_release(self, h: _Handle) -> None:
         """A RELEASE without a FLUSH (the kernel sends FLUSH per close(2); a handle the

@@ -37,6 +37,10 @@ from acache.meta import journal
 from acache.meta.store import Inode
 
 log = logging.getLogger("acache.cluster.head")
+# How long a write open waits for another node's RELEASE once that node closed every handle
+# of the file: close(2) returns after the FLUSH, and the kernel sends the RELEASE after it,
+# on its own (as the native engine's OpenTable waits for in-flight RELEASEs: conflict_wait)
+RELEASE_WAIT = 2.0
 
 
 def attr_dict(a) -> dict:
@@ -53,9 +57,11 @@ class HeadVFS(VFS):
         cache.evict_hook = hook          # the node's ClientVFS owns its cache directory
         self.node_id = node_id
         self.notify = notify             # (holder, "drop"|"clean", ino, gen), best effort
-        # ino -> [the node writing it] (one session per node: ClientVFS counts its
-        # handles); (ino, gen) -> {node: read opens}
+        # ino -> [the node writing it, 1 while a handle there is not closed, 0 once its last
+        # close (FLUSH) came and only the RELEASE is due] (one session per node: ClientVFS
+        # counts its handles); (ino, gen) -> {node: read opens}
         self.writers: dict[int, list] = {}
+        self._released = threading.Condition(self.lock)     # a session ended (end_write)
         self.ropens: dict[tuple[int, int], dict[str, int]] = {}
         self.pinned: dict[tuple[int, int], int] = {}   # old gens a writer copies from
         self._holder_of: dict[tuple[int, int], str] = {}   # superseded gens still held
@@ -63,6 +69,13 @@ class HeadVFS(VFS):
 
     def journal_unjournaled(self) -> list[int]:
         return []                        # a close is journaled by the head or fails (EIO)
+
+    def _write_fd(self, node: Inode) -> int | None:
+        """Never this node's cache file: a file open for writing is written on its writer's
+        node (whose ClientVFS overlays its own size), so the namespace's size is what that
+        node's close or fsync recorded.  The head's cache may hold that generation too -- an
+        empty copy being filled for a reader here -- and its size is not the file's."""
+        return None
 
     # -- who has what open -------------------------------------------------------------
     def _open_count(self, ino: int) -> int:
@@ -100,7 +113,15 @@ class HeadVFS(VFS):
 
     # -- opens from nodes ---------------------------------------------------------------
     def _busy(self, ino: int, node: str) -> None:
+        """EBUSY if another node writes the file (called with the lock held).  A node that
+        closed every handle of it has its RELEASE on the way: wait up to RELEASE_WAIT for it."""
         w = self.writers.get(ino)
+        if w is not None and w[0] != node and not w[1]:
+            def settled() -> bool:
+                cur = self.writers.get(ino)
+                return cur is None or cur[0] == node or bool(cur[1])
+            self._released.wait_for(settled, RELEASE_WAIT)
+            w = self.writers.get(ino)
         if w is not None and w[0] != node:
             log.warning("open for writing of inode %d on %s refused: it is open for writing on %s",
                         ino, node, w[0])
@@ -123,6 +144,7 @@ class HeadVFS(VFS):
             self._busy(ino, holder)
             w = self.writers.get(ino)
             if w is not None:            # the node opens it again: the same session
+                w[1] = 1
                 if trunc:
                     node.size = 0
                 return {"gen": node.gen, "same": True, "src": None, "holder": node.node,
@@ -207,6 +229,9 @@ class HeadVFS(VFS):
                     ctime_ns: int) -> None:
         """The holder's last writer closed the file: journal its commit (a PUT)."""
         with self.lock:
+            w = self.writers.get(ino)
+            if w is not None and w[0] == holder:
+                w[1] = 0                 # closed there; the session ends with its RELEASE
             node = self.meta.get(ino)
             if not self._writes(node, gen, holder):
                 return
@@ -232,6 +257,7 @@ class HeadVFS(VFS):
             if w is None or w[0] != holder:
                 return
             del self.writers[ino]
+            self._released.notify_all()
             node = self.meta.get(ino)
         self._settle(ino, gen, node)
 
@@ -278,6 +304,8 @@ class HeadVFS(VFS):
             d[holder] = d.get(holder, 0) + 1
             out = self._source(node)
             out["attr"] = attr_dict(self.attr(node))
+            w = self.writers.get(ino)
+            out["writing"] = w is not None and w[0] != holder     # that generation is not done
             return out
 
     def end_read(self, ino: int, gen: int, holder: str) -> None:
@@ -321,6 +349,7 @@ class HeadVFS(VFS):
         with self.lock:
             for ino in [i for i, w in self.writers.items() if w[0] == holder]:
                 del self.writers[ino]
+            self._released.notify_all()
             for key in list(self.ropens):
                 self.ropens[key].pop(holder, None)
                 if not self.ropens[key]:

@@ -102,6 +102,9 @@ class Failure(AssertionError):
 
 
 class Runner:
+    REPLAY = ("ACACHE_MODEL_SEED={seed} ACACHE_MODEL_OPS={nops} ACACHE_MODEL_DELAY={delay} "
+              "pytest tests/e2e/test_model.py -k replay")
+
     def __init__(self, node: AcacheNode, seed: int, nops: int) -> None:
         self.node, self.seed, self.nops = node, seed, nops
         self.rng = random.Random(seed)
@@ -126,11 +129,10 @@ class Runner:
         full.write_text("\n".join(self.log) + "\n")
         msg += f"\n  all operations: {full}"
         delay = self.node.env.get("ACACHE_FLUSH_DELAY")
-        raise Failure(f"{msg}\n  seed={self.seed} step={self.step} (replay: ACACHE_MODEL_SEED="
-                      f"{self.seed} ACACHE_MODEL_OPS={self.nops} ACACHE_MODEL_DELAY={delay} "
-                      f"pytest tests/e2e/test_model.py -k replay; timing differs, so a replay "
-                      f"may need a few tries)\n--- last operations ---\n{tail}\n--- daemon log ---\n"
-                      f"{self.node.log_tail(30)}")
+        replay = self.REPLAY.format(seed=self.seed, nops=self.nops, delay=delay)
+        raise Failure(f"{msg}\n  seed={self.seed} step={self.step} (replay: {replay}; timing "
+                      f"differs, so a replay may need a few tries)\n--- last operations ---\n"
+                      f"{tail}\n--- daemon log ---\n{self.node.log_tail(30)}")
 
     def do(self, desc: str, expect: set | None, fn):
         """Run fn on the mount; expect None = success, else a set of allowed errnos."""
@@ -170,6 +172,13 @@ class Runner:
             d = self.rng.choice(existing)      # maybe a file: ENOTDIR
         name = self.rng.choice(NAMES)
         return f"{d}/{name}" if d else name
+
+    def busy(self, p: str) -> int | None:
+        """errno for opening p for writing beyond the path's own errors (a cluster's EBUSY)."""
+        return None
+
+    def renamed(self, src: str, dst: str) -> None:
+        """Hook: src was renamed to dst (after the model moved it)."""
 
     def pick(self, kind: str) -> str | None:
         pool = sorted(self.m.files) if kind == "file" else sorted(d for d in self.m.dirs if d)
@@ -269,6 +278,8 @@ class Runner:
             err = errno.EISDIR if not excl else errno.EEXIST
         elif err is None and excl and p in self.m.files:
             err = errno.EEXIST
+        if err is None and p in self.m.files:
+            err = self.busy(p)
         flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | (os.O_EXCL if excl else 0)
         if self.rng.random() < 0.3:
             flags = (flags & ~os.O_WRONLY) | os.O_RDWR
@@ -306,6 +317,8 @@ class Runner:
             err = errno.EISDIR
         elif err is None and p not in self.m.files:
             err = errno.ENOENT
+        if err is None:
+            err = self.busy(p)
         flags = os.O_RDWR | (os.O_APPEND if append else 0)
         fd = self.do(f"open({p}, O_RDWR{'|O_APPEND' if append else ''})", {err} if err else None,
                      lambda: os.open(self.real(p), flags))
@@ -357,6 +370,8 @@ class Runner:
             err = errno.EISDIR
         elif err is None and p not in self.m.files:
             err = errno.ENOENT
+        if err is None:
+            err = self.busy(p)
         self.do(f"truncate({p}, {size})", {err} if err else None,
                 lambda: os.truncate(self.real(p), size))
         if not err:
@@ -491,6 +506,7 @@ class Runner:
             for f, mf in moved_f.items():
                 del m.files[f]
                 m.files[dst + f[len(src):]] = mf
+        self.renamed(src, dst)
         self.check_dir(m.parent(src))
         if m.parent(dst) != m.parent(src):
             self.check_dir(m.parent(dst))
@@ -506,6 +522,9 @@ class Runner:
            ("close", 8), ("read", 8), ("mkdir", 8), ("unlink", 7), ("rmdir", 4),
            ("rename", 16), ("sleep", 4)]
 
+    def dispatch(self, name: str) -> None:
+        getattr(self, "op_" + name)()
+
     def run(self) -> None:
         names = [n for n, _ in self.OPS]
         weights = [w for _, w in self.OPS]
@@ -517,7 +536,7 @@ class Runner:
                 elif r < 0.017:
                     self.checkpoint(f"checkpoint at step {self.step}")
                 else:
-                    getattr(self, "op_" + self.rng.choices(names, weights)[0])()
+                    self.dispatch(self.rng.choices(names, weights)[0])
                 if self.step % 10 == 9:
                     self.check_tree()
             self.step = self.nops
