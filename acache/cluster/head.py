@@ -326,6 +326,9 @@ class HeadVFS(VFS):
         current generation only once it is persisted (the file then reads through)."""
         with self.lock:
             node = self.meta.get(ino)
+            if self.meta.gen_pending(ino, gen) or self.persister.uses(ino, gen):
+                return False                 # a PUT still needs these bytes (a copy may
+                                             # be where the head pulls them from)
             if node is None or node.gen != gen or node.node != holder:
                 return True                  # a copy, or a generation nobody needs
             if node.dirty or node.local or self.meta.puts_of(ino) or node.upath is None \
