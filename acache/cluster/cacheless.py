@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 

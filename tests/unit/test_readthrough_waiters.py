@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 
-import pytest
 
 from acache.data.readthrough import ReadThrough
 from acache.errors import FsError, UnderStoreError
