@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from acache.errors import FsError, UnderStoreError
-from acache.fs.files import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE, _libc
+from acache.fs.files import _libc, check_fallocate
 from acache.fs.types import Attr, Ctx, StatFs
 from acache.fs.vfs import NAME_MAX
 
@@ -445,12 +445,7 @@ class ClientVFS:
         return n
 
     def fallocate(self, fh: int, mode: int, offset: int, length: int) -> None:
-        known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
-        punch = bool(mode & FALLOC_FL_PUNCH_HOLE)
-        if mode & ~known or (punch and (mode & FALLOC_FL_ZERO_RANGE or not mode & FALLOC_FL_KEEP_SIZE)):
-            raise FsError(errno.EOPNOTSUPP)
-        if offset < 0 or length <= 0:
-            raise FsError(errno.EINVAL)
+        punch = check_fallocate(mode, offset, length)
         h = self._handle(fh)
         if not h.writable:
             raise FsError(errno.EBADF)

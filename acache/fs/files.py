@@ -24,6 +24,18 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
+def check_fallocate(mode: int, offset: int, length: int) -> bool:
+    """The fallocate(2) modes a cache file serves (EOPNOTSUPP for others, EINVAL for a bad
+    range); returns whether it punches a hole."""
+    known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
+    punch = bool(mode & FALLOC_FL_PUNCH_HOLE)
+    if mode & ~known or (punch and (mode & FALLOC_FL_ZERO_RANGE or not mode & FALLOC_FL_KEEP_SIZE)):
+        raise FsError(errno.EOPNOTSUPP)
+    if offset < 0 or length <= 0:
+        raise FsError(errno.EINVAL)
+    return punch
+
+
 @dataclass
 class Handle:
     fh: int
@@ -295,12 +307,7 @@ class FileOps:
         with or without FALLOC_FL_KEEP_SIZE; PUNCH_HOLE|KEEP_SIZE; ZERO_RANGE.  Other
         modes: EOPNOTSUPP (a program then writes the zeros itself); a mode the cache
         filesystem lacks: its errno."""
-        known = FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE | FALLOC_FL_ZERO_RANGE
-        punch = bool(mode & FALLOC_FL_PUNCH_HOLE)
-        if mode & ~known or (punch and (mode & FALLOC_FL_ZERO_RANGE or not mode & FALLOC_FL_KEEP_SIZE)):
-            raise FsError(errno.EOPNOTSUPP)
-        if offset < 0 or length <= 0:
-            raise FsError(errno.EINVAL)
+        punch = check_fallocate(mode, offset, length)
         h = self._handle(fh)
         if not h.writable:
             raise FsError(errno.EBADF)

@@ -122,17 +122,7 @@ class NodeCollector:
         yield errs
         yield g("acache_upload_limit_bytes_per_second", n.limiter.rate() or 0)
         yield ctr("acache_upload_throttled_seconds_total", n.limiter.waited)
-        yield ctr("acache_writer_stalls_total", c.stalls)
-        yield ctr("acache_writer_stall_seconds_total", c.stall_seconds)
-        yield ctr("acache_enospc_total", c.enospc)
-        yield g("acache_cache_used_bytes", c.used())
-        yield g("acache_cache_limit_bytes", c.effective_limit())
-        yield ctr("acache_cache_evictions_total", c.evictions)
-        yield ctr("acache_cache_evicted_bytes_total", c.evicted_bytes)
-        yield ctr("acache_readthrough_hits_total", fetch.hits)
-        yield ctr("acache_readthrough_misses_total", fetch.misses)
-        yield ctr("acache_ufs_read_bytes_total", fetch.bytes_read)
-        yield ctr("acache_ufs_reads_total", fetch.requests)
+        yield from _cache_series(c, fetch)
         yield from self._fuse()
 
     def _member(self, n) -> Iterator:
@@ -168,17 +158,7 @@ class NodeCollector:
         yield g("acache_cluster_head", 1 if m.head is not None else 0)
         yield ctr("acache_upload_bytes_total", n.limiter.taken)
         yield g("acache_upload_limit_bytes_per_second", n.limiter.rate() or 0)
-        yield ctr("acache_writer_stalls_total", c.stalls)
-        yield ctr("acache_writer_stall_seconds_total", c.stall_seconds)
-        yield ctr("acache_enospc_total", c.enospc)
-        yield g("acache_cache_used_bytes", c.used())
-        yield g("acache_cache_limit_bytes", c.effective_limit())
-        yield ctr("acache_cache_evictions_total", c.evictions)
-        yield ctr("acache_cache_evicted_bytes_total", c.evicted_bytes)
-        yield ctr("acache_readthrough_hits_total", fetch.hits)
-        yield ctr("acache_readthrough_misses_total", fetch.misses)
-        yield ctr("acache_ufs_read_bytes_total", fetch.bytes_read)
-        yield ctr("acache_ufs_reads_total", fetch.requests)
+        yield from _cache_series(c, fetch)
         try:
             peers = m.peers()
         except AcacheError:
@@ -231,6 +211,26 @@ class NodeCollector:
 
 
 _HELP = {name: text for name, _, text in METRICS}
+
+
+def _cache_series(c, fetch) -> Iterator:
+    """The cache's and read-through's series (single-host and cluster members alike)."""
+    def g(name: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, _HELP[name], value=value)
+
+    def ctr(name: str, value: float) -> CounterMetricFamily:
+        return CounterMetricFamily(name.removesuffix("_total"), _HELP[name], value=value)
+    yield ctr("acache_writer_stalls_total", c.stalls)
+    yield ctr("acache_writer_stall_seconds_total", c.stall_seconds)
+    yield ctr("acache_enospc_total", c.enospc)
+    yield g("acache_cache_used_bytes", c.used())
+    yield g("acache_cache_limit_bytes", c.effective_limit())
+    yield ctr("acache_cache_evictions_total", c.evictions)
+    yield ctr("acache_cache_evicted_bytes_total", c.evicted_bytes)
+    yield ctr("acache_readthrough_hits_total", fetch.hits)
+    yield ctr("acache_readthrough_misses_total", fetch.misses)
+    yield ctr("acache_ufs_read_bytes_total", fetch.bytes_read)
+    yield ctr("acache_ufs_reads_total", fetch.requests)
 
 
 class MetricsServer:
