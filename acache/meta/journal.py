@@ -174,7 +174,8 @@ def on_rename(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode,
         path = new + meta.path_of(e.ino)[len(old):]   # e.path may predate an ancestor's rename
         lands = path == new
         n = txn.append(op=e.op, path=path, ino=e.ino, gen=e.gen, size=e.size,
-                       replaces=lands and replaces_remote, hold=e.hold, target=e.target)
+                       replaces=lands and replaces_remote, hold=e.hold, target=e.target,
+                       node=e.node)     # (a cluster: the bytes are still where they were)
         txn.succeeds(e.seq, n)       # the same bytes, under the new name
         moved = moved or lands
     return moved

@@ -249,3 +249,18 @@ def test_writes_after_a_dup_is_closed_are_not_lost(tmp_path, etcd1):
         assert (b.mnt / "f").read_bytes() == want
         b.flush()
         assert c.ufs_files() == {"f": want}
+
+
+def test_rename_of_a_pending_file_held_by_another_node(tmp_path, etcd1):
+    """A rename moves a pending PUT to the rename's place in the journal: the moved entry
+    must still name the node holding the bytes (it once said nobody: the head then took the
+    file for its own, found no bytes and retried forever)."""
+    with LocalCluster(tmp_path, etcd1, 2, flush_delay=600) as c:
+        head_id = c.wait_head()
+        other = c.nodes[1 if head_id == "n1" else 0]
+        (other.mnt / "d").mkdir()
+        data = os.urandom(300_000)
+        (other.mnt / "d" / "x").write_bytes(data)
+        os.rename(other.mnt / "d" / "x", other.mnt / "y")
+        other.flush(timeout=60)
+        assert c.ufs_files() == {"y": data}
