@@ -143,11 +143,12 @@ NoCacheOpt = typer.Option(False, "--no-cache",
 
 
 def _up_argv(cache_dir, ufs, config_file, cache_size, engine, metrics=None,
-             upload_limit=None, no_cache=False) -> list[str]:
+             upload_limit=None, no_cache=False, meta=None) -> list[str]:
     argv = ["--no-cache"] if no_cache else []
     for flag, value in (("--cache-dir", cache_dir), ("--ufs", ufs), ("--config", config_file),
                         ("--cache-size", cache_size), ("--engine", engine),
-                        ("--metrics", metrics), ("--upload-limit", upload_limit)):
+                        ("--metrics", metrics), ("--upload-limit", upload_limit),
+                        ("--meta", meta)):
         if value is not None:
             argv += [flag, str(value)]
     return argv
@@ -167,10 +168,14 @@ def up(cache_dir: Optional[Path] = typer.Option(None, help="Cache directory (loc
        foreground: bool = typer.Option(False, "--foreground",
                                        help="Stay attached, log to stderr (systemd: Type=notify)."),
        no_cache: bool = NoCacheOpt,
+       meta: Optional[str] = typer.Option(None, "--meta",
+                                          help="Join cluster NAME: etcd://HOST:PORT[,...]/NAME "
+                                          "(needs listen; default: single-host)."),
        home: Optional[Path] = HomeOpt) -> None:
     """Start the node daemon (in the background unless --foreground)."""
     s = _settings(home, config_file, cache_dir=cache_dir, ufs=ufs, cache_size=cache_size, engine=engine,
-                  metrics=metrics, upload_limit=upload_limit, placement="hash" if no_cache else None)
+                  metrics=metrics, upload_limit=upload_limit, placement="hash" if no_cache else None,
+                  meta=meta)
     if foreground:
         _run_foreground(s)
         return
@@ -178,7 +183,7 @@ def up(cache_dir: Optional[Path] = typer.Option(None, help="Cache directory (loc
         out.print(f"acache node already running ({s.socket_path})")
         return
     _start_background(s, _up_argv(cache_dir, ufs, config_file, cache_size, engine, metrics, upload_limit,
-                                  no_cache))
+                                  no_cache, meta))
     out.print(f"acache node up: cache {s.cache_path}, under-storage {s.ufs_url}, log {s.log_path}"
               + (f", metrics http://{s.metrics}/metrics" if s.metrics else ""))
 

@@ -264,3 +264,14 @@ def test_rename_of_a_pending_file_held_by_another_node(tmp_path, etcd1):
         os.rename(other.mnt / "d" / "x", other.mnt / "y")
         other.flush(timeout=60)
         assert c.ufs_files() == {"y": data}
+
+
+def test_meta_setting_errors_are_one_line(tmp_path):
+    from tests.acache_node import AcacheNode
+    n = AcacheNode(tmp_path / "n")
+    r = n.cli("up", "--meta", "bogus", check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("acache: error: --meta: meta = 'bogus': expected"), r.stderr
+    r = n.cli("up", "--meta", "etcd://127.0.0.1:1/x", check=False)   # no listen
+    assert r.returncode == 1 and "set listen" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
