@@ -83,6 +83,14 @@ class NodeCollector:
 
     def collect(self) -> Iterator:
         n = self.node
+        info = GaugeMetricFamily("acache_node_info", METRICS[0][2],
+                                 labels=["version", "engine", "ufs_scheme", "host"])
+        info.add_metric([__version__, n.engine_name or "none", n.settings.ufs_url.partition(":")[0],
+                         socket.gethostname()], 1)
+        yield info
+        dirty_bytes, dirty_files = n.cache.dirty_stats()
+        yield g("acache_dirty_bytes", dirty_bytes)
+        yield g("acache_dirty_files", dirty_files)
         if n.member is not None:
             yield from self._member(n)
             return
@@ -90,21 +98,6 @@ class NodeCollector:
         q = p.queue_stats()
         with n.meta.lock:
             journal = n.meta.journal()
-        info = GaugeMetricFamily("acache_node_info", METRICS[0][2],
-                                 labels=["version", "engine", "ufs_scheme", "host"])
-        info.add_metric([__version__, n.engine_name or "none", n.settings.ufs_url.partition(":")[0],
-                         socket.gethostname()], 1)
-        yield info
-
-        def g(name: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, _HELP[name], value=value)
-
-        def ctr(name: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name.removesuffix("_total"), _HELP[name], value=value)
-
-        dirty_bytes, dirty_files = c.dirty_stats()
-        yield g("acache_dirty_bytes", dirty_bytes)
-        yield g("acache_dirty_files", dirty_files)
         yield g("acache_persisting_bytes", q["persisting_bytes"])
         yield g("acache_persisting_files", q["persisting_files"])
         yield ctr("acache_persisted_bytes_total", q["persisted_bytes"])
@@ -129,21 +122,6 @@ class NodeCollector:
         """A cluster member: its cache and mount as above; the queue is the head's."""
         from acache.errors import AcacheError
         c, fetch, m = n.cache, n.vfs.fetch, n.member
-        info = GaugeMetricFamily("acache_node_info", METRICS[0][2],
-                                 labels=["version", "engine", "ufs_scheme", "host"])
-        info.add_metric([__version__, n.engine_name or "none", n.settings.ufs_url.partition(":")[0],
-                         socket.gethostname()], 1)
-        yield info
-
-        def g(name: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, _HELP[name], value=value)
-
-        def ctr(name: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name.removesuffix("_total"), _HELP[name], value=value)
-
-        dirty_bytes, dirty_files = c.dirty_stats()
-        yield g("acache_dirty_bytes", dirty_bytes)
-        yield g("acache_dirty_files", dirty_files)
         try:
             h = m.ns("status")
         except AcacheError:
@@ -213,13 +191,16 @@ class NodeCollector:
 _HELP = {name: text for name, _, text in METRICS}
 
 
+def g(name: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, _HELP[name], value=value)
+
+
+def ctr(name: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name.removesuffix("_total"), _HELP[name], value=value)
+
+
 def _cache_series(c, fetch) -> Iterator:
     """The cache's and read-through's series (single-host and cluster members alike)."""
-    def g(name: str, value: float) -> GaugeMetricFamily:
-        return GaugeMetricFamily(name, _HELP[name], value=value)
-
-    def ctr(name: str, value: float) -> CounterMetricFamily:
-        return CounterMetricFamily(name.removesuffix("_total"), _HELP[name], value=value)
     yield ctr("acache_writer_stalls_total", c.stalls)
     yield ctr("acache_writer_stall_seconds_total", c.stall_seconds)
     yield ctr("acache_enospc_total", c.enospc)
