@@ -496,11 +496,7 @@ class ClientVFS:
         if h.live:
             return                      # nothing of it here
         (os.fdatasync if datasync else os.fsync)(h.fd)
-        fd = os.open(self.cache.dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self.cache.sync_dir()
         if h.writable:
             s = os.fstat(h.fd)
             self.ns("fsync", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns)

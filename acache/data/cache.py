@@ -65,6 +65,7 @@ class CacheDir:
         self.stall_timeout = stall_timeout
         self._fds: dict[tuple[int, int], list[int]] = {}   # (ino, gen) -> [fd, refs]
         self._lock = threading.Lock()
+        self._dir_lock = threading.Lock()   # one directory fsync at a time (sync_dir)
         self.space = threading.Condition(self._lock)        # room was made: waiting writers
         self._writers = threading.Condition(self._lock)     # a write open: the monitor starts
         self._sizes = _Sizes()                             # bytes on disk per file we know
@@ -423,6 +424,15 @@ class CacheDir:
         except FileNotFoundError:
             pass
         return files, size
+
+    def sync_dir(self) -> None:
+        """fsync the directory of the cache files (a new file's name is durable after it)."""
+        with self._dir_lock:
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def statvfs(self) -> os.statvfs_result:
         return os.statvfs(self.dir)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import threading
 import time
 from dataclasses import dataclass
 
@@ -59,7 +58,6 @@ class FileOps:
         self._sig: dict[int, tuple[int, int]] = {}   # ino -> (size, mtime) when last journaled
         self._put_seq: dict[int, int] = {}           # ino -> the PUT its last close journaled
         self._direct: set[int] = set()               # inos the kernel may write without us
-        self._dir_lock = threading.Lock()
 
     def _open_count(self, ino: int) -> int:
         return self._opens.get(ino, 0)
@@ -99,14 +97,6 @@ class FileOps:
             node = self.meta.get(ino)
             return node.upath if node is not None and node.upath is not None else ""
         return upath
-
-    def _sync_dir(self) -> None:
-        with self._dir_lock:
-            fd = os.open(self.cache.dir, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
 
     # -- open / create ------------------------------------------------------------------
     def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, object]:
@@ -473,7 +463,7 @@ class FileOps:
     def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
         (os.fdatasync if datasync else os.fsync)(h.fd)
-        self._sync_dir()
+        self.cache.sync_dir()
         with self.lock:
             node = self.meta.get(h.ino)
             if node is None:
