@@ -64,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--big", default="2GiB", help="the big file of read and persist (default 2GiB)")
     ap.add_argument("--small", type=int, default=1000, help="64 KiB files of persist (default 1000)")
     ap.add_argument("--small-size", default="64KiB")
+    ap.add_argument("--writers", type=int, default=1,
+                    help="threads writing persist's files into B's mount (default 1: every close "
+                         "returns before the next begins, so each commit waits for the one before; "
+                         "more: the closes overlap, as a checkpoint's ranks do, and commit in parallel)")
     ap.add_argument("--closes", type=int, default=2000, help="files per closes rep (default 2000)")
     ap.add_argument("--rates", default="none,2gbit",
                     help="links of the read case: none (the bare veth) and/or tc rates")
@@ -359,8 +363,8 @@ def case_persist(c: Cluster, srcs: dict[str, list[Path]], rows: list, log) -> No
                 else:
                     d = B.mnt / prefix
                     d.mkdir()
-                    for f in files:
-                        shutil.copyfile(f, d / f.name)
+                    with ThreadPoolExecutor(max(1, a.writers)) as ex:
+                        list(ex.map(lambda f: shutil.copyfile(f, d / f.name), files))
                     os.sync()
                     dt = c.spy.run(f"persist-{prefix}", flush, B)
                     want = (len(files), total)
@@ -373,7 +377,8 @@ def case_persist(c: Cluster, srcs: dict[str, list[Path]], rows: list, log) -> No
                 log(f"persist {label} rep {rep + 1}: {what:6} {total / MiB / dt:8.1f} MiB/s ({dt:.2f} s)")
         desc = (f"persist {len(files):,} x {files[0].stat().st_size // 1024} KiB" if len(files) > 1
                 else f"persist 1 x {total // MiB} MiB")
-        rows.append(row(f"{desc} written on B, close -> flush --wait", "MiB/s", total / MiB, t,
+        by = f"{a.writers} writers on B" if a.writers > 1 else "written on B"
+        rows.append(row(f"{desc} {by}, close -> flush --wait", "MiB/s", total / MiB, t,
                         "direct minio upload from B", GOALS["persist"]))
 
 

@@ -57,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "http endpoint the signed SHA-256 only; true adds MD5 + ETag checks)")
     ap.add_argument("--upload-concurrency", type=int, default=None,
                     help="files in parallel, for both (default: acache's default)")
+    ap.add_argument("--writers", type=int, default=1,
+                    help="threads copying the files into the mount (default 1: each close "
+                         "returns before the next begins, so the contract orders every commit; "
+                         "more: closes overlap, as a checkpoint's ranks do, and commit in parallel)")
     ap.add_argument("--profile", action="store_true",
                     help="py-spy record the node during the acache runs")
     ap.add_argument("--workdir", type=Path, default=None,
@@ -129,8 +133,8 @@ class Run:
     def acache(self, files: list[Path], rep: int) -> tuple[float, float]:
         d = self.node.mnt / "bench"
         d.mkdir(exist_ok=True)
-        for p in files:
-            shutil.copyfile(p, d / p.name)      # closed: journaled, waits for the flush
+        with ThreadPoolExecutor(max(1, self.a.writers)) as ex:    # closed: journaled, waits
+            list(ex.map(lambda p: shutil.copyfile(p, d / p.name), files))   # for the flush
         os.sync()                   # checkpoint writers fsync; the direct source is synced too
         spy = None
         if self.a.profile:
@@ -184,7 +188,7 @@ def main(argv=None) -> int:
         t = Table(title=f"persist to S3 (moto on 127.0.0.1): {total / MiB:.0f} MiB in {a.files} "
                         f"file(s), part {a.part_size // MiB} MiB x {a.concurrency}, "
                         f"{a.upload_concurrency} files in parallel, content_md5 {a.content_md5}, "
-                        f"{a.engine}, median of {a.repeat}")
+                        f"{a.engine}, {a.writers} writer(s) into the mount, median of {a.repeat}")
         for col in ("target", "MiB/s", "seconds", "CPU s/GiB", "vs direct"):
             t.add_column(col, justify="left" if col == "target" else "right")
         gib = total / (1 << 30)

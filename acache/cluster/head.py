@@ -228,7 +228,7 @@ class HeadVFS(VFS):
     def close_write(self, ino: int, gen: int, holder: str, size: int, mtime_ns: int,
                     ctime_ns: int) -> None:
         """The holder's last writer closed the file: journal its commit (a PUT)."""
-        with self.lock:
+        with self.meta.op(), self.lock:
             w = self.writers.get(ino)
             if w is not None and w[0] == holder:
                 w[1] = 0                 # closed there; the session ends with its RELEASE

@@ -2,7 +2,9 @@
 
 PUT entries are *staged* (uploaded, not visible) in parallel, up to
 ``concurrency`` at a time and ahead of the head of the journal; every entry is
-*committed* strictly in seq order (the commit point of DESIGN.md point 4).
+*committed* in seq order (the commit point of DESIGN.md point 4), except that PUTs
+whose closes overlapped in time may commit in parallel (Entry.after: order =
+happens-before, so a checkpoint's ranks closing their shards at once do not queue).
 Errors: transient ones are retried forever with exponential backoff and jitter;
 permanent ones are recorded (``status``, ``flush --wait``) and retried slowly,
 and at once when someone asks for a flush.  Nothing is ever dropped.
@@ -69,7 +71,10 @@ class Persister:
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-stage")
         self.concurrency = concurrency
         self.urgent_seq = 0
-        self._applying = 0                      # seq of the entry being applied right now
+        # entries being applied right now (a rename/delete/mkdir/rmdir alone; PUTs whose
+        # closes overlapped in time several at once: _pick)
+        self._committing: dict[int, Entry] = {}
+        self.commit_pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-commit")
         self._outage = False                    # the last attempt failed: probe, one at a time
         self.gc: Callable[[int, int], None] = lambda ino, gen: None
         self.on_applied: Callable[[Entry], None] = lambda e: None
@@ -94,7 +99,7 @@ class Persister:
 
     # -- Inflight, for the journal rules (called under the lock) -------------------
     def state(self, seq: int) -> str:
-        if seq == self._applying:   # a rename/delete/mkdir/rmdir as much as a put
+        if seq in self._committing:   # a rename/delete/mkdir/rmdir as much as a put
             return "committing"
         job = self.jobs.get(seq)
         if job is None:
@@ -130,6 +135,7 @@ class Persister:
                 job.aborted = True
             self.cond.notify_all()
         self._thread.join(timeout=30)
+        self.commit_pool.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def wake(self) -> None:
@@ -203,37 +209,83 @@ class Persister:
                     self.last_error = f"internal error scheduling uploads: {type(e).__name__}: {e}"
                     self.cond.wait(1.0)
                     continue
-                head = self.meta.head(1)
-                head = head[0] if head else None
-                ready = head is not None and self._head_ready(head)
-                if not ready:
+                picks = self._pick()
+                if not picks:
                     self._sleep_until = time.monotonic() + timeout
                     try:
                         self.cond.wait(timeout)
                     finally:
                         self._sleep_until = None
                     continue
-                job = self.jobs.get(head.seq)
-                if head.op == "put" and job is not None and job.error is None \
-                        and self.withdraw(head):
-                    continue
-                if job is not None:
-                    job.state = "committing"
-                elif head.op in ("mkdir", "symlink", "attrs"):
-                    head.attrs = self._attrs_of(head.ino)   # as they are now (journal.on_attrs)
-                self._applying = head.seq   # from now on the journal rules may not cancel it
-            try:
-                self._apply(head, job)
-            except UnderStoreError as e:
-                self._failed(head, e)
-            except AcacheError as e:  # a metadata write failed (logged, undone): retry
-                self._failed(head, UnderStoreError(str(e), retryable=True))
-            except Exception as e:   # a bug or an unexpected OS error: keep the entry, retry
-                log.exception("persisting seq %d (%s %s) failed", head.seq, head.op, head.path)
-                self._failed(head, UnderStoreError(f"{type(e).__name__}: {e}", retryable=True))
-            finally:
-                with self.lock:
-                    self._applying = 0
+                for e, job in picks:
+                    if job is not None:
+                        job.state = "committing"
+                    elif e.op in ("mkdir", "symlink", "attrs"):
+                        e.attrs = self._attrs_of(e.ino)   # as they are now (journal.on_attrs)
+                    self._committing[e.seq] = e   # from now on the journal rules may not cancel it
+            if picks[0][0].op != "put":
+                self._commit(*picks[0])           # alone: nothing else commits meanwhile
+                continue
+            for e, job in picks:
+                try:
+                    self.commit_pool.submit(self._commit, e, job)
+                except RuntimeError:              # shutting down
+                    with self.lock:
+                        self._committing.pop(e.seq, None)
+                        if job is not None:
+                            job.state = "staged"
+
+    def _commit(self, e: Entry, job: Job | None) -> None:
+        try:
+            self._apply(e, job)
+        except UnderStoreError as err:
+            self._failed(e, err)
+        except AcacheError as err:  # a metadata write failed (logged, undone): retry
+            self._failed(e, UnderStoreError(str(err), retryable=True))
+        except Exception as err:   # a bug or an unexpected OS error: keep the entry, retry
+            log.exception("persisting seq %d (%s %s) failed", e.seq, e.op, e.path)
+            self._failed(e, UnderStoreError(f"{type(err).__name__}: {err}", retryable=True))
+        finally:
+            with self.lock:
+                self._committing.pop(e.seq, None)
+                self.cond.notify_all()
+
+    def _pick(self) -> list[tuple[Entry, Job | None]]:
+        """The entries to commit now (under the lock).  The journal's oldest entry when it
+        is ready; with it, or while others commit, every later PUT whose own ordering allows
+        it: the entries up to its ``after`` have landed (nothing before it that had returned
+        when its close began is still pending), no earlier pending entry has its path or
+        inode, and no entry other than a PUT comes before it (renames, deletes, directories
+        and attributes are applied alone, in seq order, after everything before them)."""
+        entries = self.meta.head(WINDOW)
+        if not entries:
+            return []
+        first = entries[0]
+        if first.op != "put":
+            if self._committing or not self._head_ready(first):
+                return []
+            return [(first, None)]
+        room = self.concurrency - len(self._committing)
+        picks: list[tuple[Entry, Job | None]] = []
+        paths: set[str] = set()
+        inos: set[int] = set()
+        for e in entries:
+            if e.op != "put" or room <= 0:
+                break
+            after = e.after if e.after >= 0 else e.seq - 1
+            if after >= first.seq:
+                break            # waits for an entry still pending (and, near enough, so do
+                                 # those after it: ``after`` grows with seq)
+            if e.seq not in self._committing and e.path not in paths and e.ino not in inos \
+                    and self._head_ready(e):
+                job = self.jobs[e.seq]
+                if job.error is None and self.withdraw(e):
+                    break        # the journal changed under the scan: look again
+                picks.append((e, job))
+                room -= 1
+            paths.add(e.path)
+            inos.add(e.ino)
+        return picks
 
     def _schedule(self) -> float:
         """Start stages that are due; return how long to sleep at most.  Called after every

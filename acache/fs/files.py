@@ -354,7 +354,7 @@ class FileOps:
 
     # -- close ------------------------------------------------------------------------------
     def flush(self, fh: int) -> None:
-        with self.lock:
+        with self.meta.op(), self.lock:
             h = self._handles.get(fh)
             if h is None or not h.writable or h.closed:
                 return

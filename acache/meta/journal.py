@@ -18,6 +18,9 @@ data that was never persisted elided:
     something may exist in the under-storage.  Nothing deleted comes back.
   * a symbolic link is a SYMLINK entry, journaled at creation and treated like
     a PUT by renames and deletes (moved or cancelled while it has not landed);
+  * PUTs may commit out of seq order where their closes overlapped in time
+    (Entry.after, MetaStore.op); every other entry, and a PUT of a path or inode
+    an earlier pending entry has, waits for all before it (data/persister.py);
   * changing only attributes (chmod, chown, utime) appends an ATTRS entry, unless
     an entry of the same inode that has not started yet will carry them (entries
     take the inode's attributes when they start): no re-upload, ever.
@@ -54,6 +57,7 @@ def journal_put(meta: MetaStore, txn: Txn, inflight: Inflight, node: Inode) -> E
     for e in meta.puts_of(node.ino):
         if e.hold and e.gen == node.gen:     # reopened in place: its PUT keeps its place
             e.hold, e.size, e.path = False, node.size, meta.path_of(node.ino)
+            e.after = e.seq - 1       # what it commits now was written after all before it
             txn.update_entry(e)
             return e
     replaces = False

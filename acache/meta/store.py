@@ -28,6 +28,7 @@ counters (next_ino, next_seq) are not rolled back: a gap is harmless, a reused n
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -142,6 +143,11 @@ class Entry:
     target: str = ""          # symlink: the link's target
     attrs: list = field(default_factory=list)   # Attrs.pack() taken when it started
     node: str = ""            # put, in a cluster: the node holding its bytes (acache.cluster)
+    # put: every entry up to this seq must have landed before this one commits -- those
+    # journaled before the operation that journaled it began (MetaStore.op); PUTs journaled
+    # by operations that overlapped in time may commit in parallel (DESIGN.md point 4:
+    # order = happens-before).  -1: all before it (an operation that did not say)
+    after: int = -1
 
     def pack(self) -> bytes:
         return _pack(self, _ENTRY_FIELDS)
@@ -212,6 +218,9 @@ class Txn:
     def append(self, **kw) -> Entry:
         s = self.store
         s._next_seq += 1
+        floor = getattr(s._op, "floor", None)
+        if floor is not None and kw.get("op") == "put":
+            kw["after"] = min(floor, s._next_seq - 1)
         e = Entry(seq=s._next_seq, t=s.clock(), **kw)
         s._journal[e.seq] = e
         log.debug("journal +%d %s %s%s (ino %d gen %d)", e.seq, e.op, e.path,
@@ -292,6 +301,7 @@ class MetaStore:
         # too); entries found at start count as journaled now: eligible after flush_delay
         self.clock = clock
         self.lock = threading.RLock()
+        self._op = threading.local()                # .floor: see op()
         self._inodes: dict[int, Inode] = {}
         self._children: dict[int, dict[bytes, int]] = {}
         self._journal: dict[int, Entry] = {}
@@ -428,6 +438,22 @@ class MetaStore:
 
     def gen_pending(self, ino: int, gen: int) -> bool:
         return any(e.gen == gen for e in self.puts_of(ino))
+
+    @contextlib.contextmanager
+    def op(self) -> Iterator[None]:
+        """Around a namespace operation a caller sees return (a close), entered *before*
+        it waits for the lock: the PUT it journals need land only after the entries
+        journaled before it began -- everything whose operation had returned by then
+        (each journals before it returns).  Operations that overlap, such as the ranks
+        of a checkpoint closing their shards at the same moment, commit in parallel."""
+        outer = getattr(self._op, "floor", None)
+        if outer is None:
+            self._op.floor = self._next_seq    # one int read: no lock needed
+        try:
+            yield
+        finally:
+            if outer is None:
+                self._op.floor = None
 
     def begin_barrier(self) -> None:
         with self.lock:

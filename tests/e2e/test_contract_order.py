@@ -92,3 +92,41 @@ def test_after_flush_earlier_files_present(make_node):
     n.restart()
     n.flush()
     assert sorted(ufs_real(n.ufs_files())) == sorted(names)
+
+
+def test_ranks_closing_at_once_then_marker_after_barrier(make_node):
+    """Point 4 as DCP uses it: 8 ranks write and close their shards at the same moment
+    (their commits may run in parallel, in any order), a barrier, then the marker: it
+    never lands before any shard, in every snapshot of the under-storage."""
+    import threading
+    n = make_node(flush_delay=3600, extra_env={"ACACHE_UPLOAD_CONCURRENCY": "8"})
+    (n.mnt / "ck").mkdir()
+    ranks = 8
+    data = {f"ck/__{r}_0.distcp": pattern(SIZES[r % len(SIZES)], r) for r in range(ranks)}
+    go = threading.Barrier(ranks)
+    errors = []
+
+    def rank(nm: str) -> None:
+        try:
+            f = open(n.mnt / nm, "wb")
+            f.write(data[nm])
+            go.wait(30)                 # every rank closes at the same moment
+            f.close()
+        except BaseException as e:   # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(nm,)) for nm in data]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    (n.mnt / "ck/.metadata").write_bytes(b"marker")
+    data["ck/.metadata"] = b"marker"
+    with Poller(n.ufs_dir) as poll:
+        n.flush()
+    for snap in poll.snaps:
+        if "ck/.metadata" in snap:
+            assert all(snap.get(nm) == len(d) for nm, d in data.items()), \
+                f"the marker landed before a shard: {sorted(snap)}"
+    assert ufs_real(n.ufs_files()) == data

@@ -420,3 +420,109 @@ def test_packed_records_keep_their_format():
         old = msgpack.packb(d, use_bin_type=True, unicode_errors="surrogateescape")
         assert rec.pack() == old
         assert type(rec).unpack(rec.pack()) == rec
+
+
+def _create(rig, parent, name, data):
+    fh, attr = rig.vfs.create(parent, name, 0o644, os.O_WRONLY, CTX)
+    rig.vfs.write(fh, 0, data)
+    return fh
+
+
+def test_overlapping_closes_commit_in_parallel(tmp_path):
+    # two closes that began before either returned (DESIGN.md point 4: order =
+    # happens-before) may land in either order: their commits run at the same time.
+    # Each commit waits for the other at a barrier: committed one at a time, it breaks
+    both = threading.Barrier(2, timeout=10)
+    met = []
+
+    def faults(op, path):
+        if op == "commit" and path.startswith("ck/shard"):
+            both.wait()
+            met.append(path)
+
+    r = Rig(tmp_path, store=MemStore("mem://t", faults=faults))
+    try:
+        d = r.mkdir(ROOT_INO, b"ck")
+        fhs = [_create(r, d, b"shard%d" % i, b"s%d" % i) for i in range(2)]
+        with r.meta.op():        # both closes began here, before either returned
+            for fh in fhs:
+                r.vfs.flush(fh)
+        for fh in fhs:
+            r.vfs.release(fh)
+        r.drain()
+        assert sorted(met) == ["ck/shard0", "ck/shard1"]
+        assert r.files() == {"ck/shard0": b"s0", "ck/shard1": b"s1"}
+    finally:
+        r.stop()
+
+
+def test_closes_one_after_another_commit_in_order_even_when_staged_out_of_order(tmp_path):
+    # shard0's stage is held until the later files are staged: their commits still wait
+    # for it (each close returned before the next began), one at a time, in order
+    later_staged = threading.Event()
+    order, running, peak = [], [0], [0]
+    lock = threading.Lock()
+
+    def faults(op, path):
+        if op == "stage" and path == "ck/shard0":
+            assert later_staged.wait(10)
+        elif op == "stage" and path == "ck/.metadata":
+            later_staged.set()
+        elif op == "commit":
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+                order.append(path)
+            time.sleep(0.01)     # a commit that takes a while: others would overlap it
+            with lock:
+                running[0] -= 1
+
+    r = Rig(tmp_path, store=MemStore("mem://t", faults=faults))
+    r.p.concurrency = 4
+    try:
+        d = r.mkdir(ROOT_INO, b"ck")
+        names = [b"shard%d" % i for i in range(3)] + [b".metadata"]
+        for name in names:
+            r.write(d, name, name)
+        r.drain()
+        assert order == ["ck/" + n.decode() for n in names]
+        assert peak[0] == 1
+    finally:
+        r.stop()
+
+
+def test_a_held_put_closed_again_waits_for_what_closed_before_that_close(tmp_path):
+    # w and h closed together (overlapping: either may land first); h is reopened in
+    # place (journal.hold_put) and closed again after w's close returned: what h commits
+    # now was written after that, so it must not overtake w -- even when w's stage is slow
+    h_committed = threading.Event()
+
+    def faults(op, path):
+        if op == "stage" and path == "w":
+            h_committed.wait(3)      # set only if h overtakes w
+        elif op == "commit" and path == "h":
+            h_committed.set()
+
+    r = Rig(tmp_path, store=MemStore("mem://t", faults=faults), flush_delay=5)
+    try:
+        r.cache.CLONE_MAX = 0                    # every file counts as big here
+        r.cache._reflink = False
+        fhs = [_create(r, ROOT_INO, b"w", b"w"), _create(r, ROOT_INO, b"h", b"A" * 1000)]
+        with r.meta.op():
+            for fh in fhs:
+                r.vfs.flush(fh)
+        for fh in fhs:
+            r.vfs.release(fh)
+        r.write(ROOT_INO, b"x", b"x")            # journaled after h: h is held, not re-put
+        put = next(e for e in r.meta.journal() if e.path == "h")
+        assert put.after < put.seq - 1           # may land before w, as closed then
+        fh = r.vfs.open(put.ino, os.O_WRONLY)
+        r.vfs.write(fh, 1000, b"B")
+        r.vfs.flush(fh)
+        r.vfs.release(fh)
+        assert r.meta.entry(put.seq) is put and put.after == put.seq - 1   # kept its place
+        r.drain()
+        assert [p for op, p in r.store.calls if op == "commit"] == ["w", "h", "x"]
+        assert r.files() == {"h": b"A" * 1000 + b"B", "w": b"w", "x": b"x"}
+    finally:
+        r.stop()
