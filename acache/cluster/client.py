@@ -256,6 +256,15 @@ class ClientVFS:
                 self._unreachable.pop(holder, None)
                 return buf if got == n else bytes(buf[:got])    # no copy of a whole chunk
             return from_peer
+        if src.get("cached") and holder == self.node_id and src.get("writing") \
+                and self.cache.exists(ino, gen):
+            # a cacheless client writes it into this worker's cache now: read what is there
+            path = self.cache.path(ino, gen)
+
+            def from_here(off: int, n: int) -> bytes:
+                with open(path, "rb", buffering=0) as f:
+                    return os.pread(f.fileno(), n, off)
+            return from_here
         upath = src.get("upath")
         if upath is not None:
             return lambda off, n: self.under.read(upath, off, n)

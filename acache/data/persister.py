@@ -223,10 +223,7 @@ class Persister:
                     elif e.op in ("mkdir", "symlink", "attrs"):
                         e.attrs = self._attrs_of(e.ino)   # as they are now (journal.on_attrs)
                     self._committing[e.seq] = e   # from now on the journal rules may not cancel it
-            if picks[0][0].op != "put":
-                self._commit(*picks[0])           # alone: nothing else commits meanwhile
-                continue
-            for e, job in picks:
+            for e, job in picks[1:]:              # PUTs that may commit alongside the first
                 try:
                     self.commit_pool.submit(self._commit, e, job)
                 except RuntimeError:              # shutting down
@@ -234,6 +231,8 @@ class Persister:
                         self._committing.pop(e.seq, None)
                         if job is not None:
                             job.state = "staged"
+            self._commit(*picks[0])    # here: a thread hop per commit costs more than it
+                                       # gains when commits come one at a time
 
     def _commit(self, e: Entry, job: Job | None) -> None:
         try:

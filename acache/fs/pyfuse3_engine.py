@@ -68,7 +68,7 @@ class Ops(pyfuse3.Operations):
         except FsError as e:                  # an answer, not a failure of ours
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s (%s): %s", getattr(fn, "__name__", fn), args[0] if args else "",
-                          errno.errorcode.get(e.errno, e.errno))
+                          f"{errno.errorcode.get(e.errno, e.errno)} {e}")
             raise pyfuse3.FUSEError(e.errno) from None
         except OSError as e:
             # EFBIG (past the cache disk's maximum file size) is the caller's doing; a

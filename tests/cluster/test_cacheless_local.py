@@ -97,6 +97,21 @@ def test_overwrite_append_truncate_from_cacheless(tmp_path, etcd1):
         assert c.ufs_files() == {"f": b"AAAAAxy", "g": bytes([199]) * 70_000}
 
 
+def test_file_open_on_a_cacheless_client_reads_on_its_worker_and_the_other(tmp_path, etcd1):
+    # a cacheless client has g open for writing (its RELEASE may also simply be late):
+    # both workers read what it fsynced -- the one holding g from its own cache (it answered
+    # EIO "no copy is reachable": it looked for a peer to read from), the other from it
+    with LocalCluster(tmp_path, etcd1, 3, cacheless=1) as c:
+        w1, w2, cl = c.nodes
+        with open(cl.mnt / "g", "wb") as f:
+            f.write(b"G" * 70_000)
+            f.flush()
+            os.fsync(f.fileno())
+            for w in (w1, w2):
+                assert (w.mnt / "g").read_bytes() == b"G" * 70_000, w
+        assert (w1.mnt / "g").read_bytes() == b"G" * 70_000
+
+
 def test_persist_order_marker_after_shards(tmp_path, etcd1):
     """Shards then marker, every round, from the cacheless client (shards on 2 workers): the
     under-storage never shows a marker before its shards."""
