@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="threads copying the files into the mount (default 1: each close "
                          "returns before the next begins, so the contract orders every commit; "
                          "more: closes overlap, as a checkpoint's ranks do, and commit in parallel)")
+    ap.add_argument("--together", action="store_true",
+                    help="the writers close their files at the same moment (a barrier before "
+                         "each close), as a checkpoint's ranks finish their shards")
     ap.add_argument("--profile", action="store_true",
                     help="py-spy record the node during the acache runs")
     ap.add_argument("--workdir", type=Path, default=None,
@@ -133,8 +137,24 @@ class Run:
     def acache(self, files: list[Path], rep: int) -> tuple[float, float]:
         d = self.node.mnt / "bench"
         d.mkdir(exist_ok=True)
-        with ThreadPoolExecutor(max(1, self.a.writers)) as ex:    # closed: journaled, waits
-            list(ex.map(lambda p: shutil.copyfile(p, d / p.name), files))   # for the flush
+        writers = max(1, self.a.writers)
+        if self.a.together:     # rounds of `writers` files, closed at one moment
+            barrier = threading.Barrier(writers)
+
+            def rank(k: int) -> None:
+                for r in range(-(-len(files) // writers)):
+                    i = r * writers + k
+                    if i >= len(files):
+                        barrier.wait(60)     # a short last round: the others still meet
+                        continue
+                    with open(files[i], "rb") as src, open(d / files[i].name, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 8 * MiB)
+                        barrier.wait(60)     # then every rank closes its file at once
+            with ThreadPoolExecutor(writers) as ex:
+                list(ex.map(rank, range(writers)))
+        else:
+            with ThreadPoolExecutor(writers) as ex:   # closed: journaled, waits for the flush
+                list(ex.map(lambda p: shutil.copyfile(p, d / p.name), files))
         os.sync()                   # checkpoint writers fsync; the direct source is synced too
         spy = None
         if self.a.profile:
@@ -188,7 +208,8 @@ def main(argv=None) -> int:
         t = Table(title=f"persist to S3 (moto on 127.0.0.1): {total / MiB:.0f} MiB in {a.files} "
                         f"file(s), part {a.part_size // MiB} MiB x {a.concurrency}, "
                         f"{a.upload_concurrency} files in parallel, content_md5 {a.content_md5}, "
-                        f"{a.engine}, {a.writers} writer(s) into the mount, median of {a.repeat}")
+                        f"{a.engine}, {a.writers} writer(s) into the mount"
+                        f"{' closing together' if a.together else ''}, median of {a.repeat}")
         for col in ("target", "MiB/s", "seconds", "CPU s/GiB", "vs direct"):
             t.add_column(col, justify="left" if col == "target" else "right")
         gib = total / (1 << 30)

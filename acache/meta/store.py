@@ -223,8 +223,8 @@ class Txn:
             kw["after"] = min(floor, s._next_seq - 1)
         e = Entry(seq=s._next_seq, t=s.clock(), **kw)
         s._journal[e.seq] = e
-        log.debug("journal +%d %s %s%s (ino %d gen %d)", e.seq, e.op, e.path,
-                  f" -> {e.dst}" if e.dst else "", e.ino, e.gen)
+        log.debug("journal +%d %s %s%s (ino %d gen %d, after %d)", e.seq, e.op, e.path,
+                  f" -> {e.dst}" if e.dst else "", e.ino, e.gen, e.after)
         s._index(e)
         self.puts[K.journal_key(e.seq)] = e.pack()
         self.puts[K.counter_key("next_seq")] = K.u64(s._next_seq)
