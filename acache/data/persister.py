@@ -74,6 +74,7 @@ class Persister:
         # entries being applied right now (a rename/delete/mkdir/rmdir alone; PUTs whose
         # closes overlapped in time several at once: _pick)
         self._committing: dict[int, Entry] = {}
+        self._alongside = False     # _pick saw PUTs that may commit with its picks (later)
         self.commit_pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-commit")
         self._outage = False                    # the last attempt failed: probe, one at a time
         self.gc: Callable[[int, int], None] = lambda ino, gen: None
@@ -223,7 +224,10 @@ class Persister:
                     elif e.op in ("mkdir", "symlink", "attrs"):
                         e.attrs = self._attrs_of(e.ino)   # as they are now (journal.on_attrs)
                     self._committing[e.seq] = e   # from now on the journal rules may not cancel it
-            for e, job in picks[1:]:              # PUTs that may commit alongside the first
+            if len(picks) == 1 and not self._alongside:
+                self._commit(*picks[0])     # nothing may commit alongside it: no thread hop
+                continue
+            for e, job in picks:
                 try:
                     self.commit_pool.submit(self._commit, e, job)
                 except RuntimeError:              # shutting down
@@ -231,8 +235,6 @@ class Persister:
                         self._committing.pop(e.seq, None)
                         if job is not None:
                             job.state = "staged"
-            self._commit(*picks[0])    # here: a thread hop per commit costs more than it
-                                       # gains when commits come one at a time
 
     def _commit(self, e: Entry, job: Job | None) -> None:
         try:
@@ -260,11 +262,13 @@ class Persister:
         if not entries:
             return []
         first = entries[0]
+        self._alongside = False
         if first.op != "put":
             if self._committing or not self._head_ready(first):
                 return []
             return [(first, None)]
         room = self.concurrency - len(self._committing)
+        self._alongside = bool(self._committing)   # may others commit while these do?
         picks: list[tuple[Entry, Job | None]] = []
         paths: set[str] = set()
         inos: set[int] = set()
@@ -282,6 +286,8 @@ class Persister:
                     break        # the journal changed under the scan: look again
                 picks.append((e, job))
                 room -= 1
+            elif e.seq not in self._committing:
+                self._alongside = True   # could go once staged: keep the loop free for it
             paths.add(e.path)
             inos.add(e.ino)
         return picks

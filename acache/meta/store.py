@@ -221,6 +221,8 @@ class Txn:
         floor = getattr(s._op, "floor", None)
         if floor is not None and kw.get("op") == "put":
             kw["after"] = min(floor, s._next_seq - 1)
+        if not getattr(s._op, "told", False):
+            s._serial_top = s._next_seq     # an engine's floor (op) never goes below it
         e = Entry(seq=s._next_seq, t=s.clock(), **kw)
         s._journal[e.seq] = e
         log.debug("journal +%d %s %s%s (ino %d gen %d, after %d)", e.seq, e.op, e.path,
@@ -301,7 +303,9 @@ class MetaStore:
         # too); entries found at start count as journaled now: eligible after flush_delay
         self.clock = clock
         self.lock = threading.RLock()
-        self._op = threading.local()                # .floor: see op()
+        self._op = threading.local()                # .floor, .told: see op()
+        self._serial_top = 0       # the newest entry journaled without an engine's floor
+                                   # (set to next_seq below: all before a start returned)
         self._inodes: dict[int, Inode] = {}
         self._children: dict[int, dict[bytes, int]] = {}
         self._journal: dict[int, Entry] = {}
@@ -324,6 +328,7 @@ class MetaStore:
         self._next_ino = K.from_u64(raw) if raw else ROOT_INO
         raw = kv.get(K.counter_key("next_seq"))
         self._next_seq = K.from_u64(raw) if raw else 0
+        self._serial_top = self._next_seq
         for _, v in kv.scan(K.INODE_PREFIX):
             ino = Inode.unpack(v)
             self._inodes[ino.ino] = ino
@@ -440,20 +445,27 @@ class MetaStore:
         return any(e.gen == gen for e in self.puts_of(ino))
 
     @contextlib.contextmanager
-    def op(self) -> Iterator[None]:
+    def op(self, floor: int | None = None) -> Iterator[None]:
         """Around a namespace operation a caller sees return (a close), entered *before*
         it waits for the lock: the PUT it journals need land only after the entries
         journaled before it began -- everything whose operation had returned by then
         (each journals before it returns).  Operations that overlap, such as the ranks
-        of a checkpoint closing their shards at the same moment, commit in parallel."""
+        of a checkpoint closing their shards at the same moment, commit in parallel.
+        ``floor``: what the caller found had returned before the operation began
+        (acache.fs.overlap); entries journaled otherwise count in full."""
         outer = getattr(self._op, "floor", None)
         if outer is None:
-            self._op.floor = self._next_seq    # one int read: no lock needed
+            if floor is None:
+                self._op.floor = self._next_seq    # one int read: no lock needed
+            else:       # the engine knows better which closes this one overlapped
+                self._op.floor = min(max(floor, self._serial_top), self._next_seq)
+                self._op.told = True
         try:
             yield
         finally:
             if outer is None:
                 self._op.floor = None
+                self._op.told = False
 
     def begin_barrier(self) -> None:
         with self.lock:

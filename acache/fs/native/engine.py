@@ -78,6 +78,7 @@ class NativeEngine:
             self._ops = Ops(self.vfs, table, entry_timeout=self.entry_timeout,
                             attr_timeout=self.attr_timeout)
             session.handlers = self._ops.handlers
+            session.overlap = self._ops.overlap
             self._ops.drop_pages = session.drop_pages
             self._ops.inval_attr = session.inval_attr
             self._session = session

@@ -14,6 +14,7 @@ import stat
 import threading
 
 from acache.errors import FsError
+from acache.fs.overlap import Overlap
 from acache.fs.native import proto
 from acache.fs.native.passthrough import OpenTable
 from acache.fs.native.session import NO_REPLY, Reply, Request
@@ -55,6 +56,10 @@ class Ops:
         self._symlink = getattr(vfs, "symlink", None)
         self._fallocate = getattr(vfs, "fallocate", None)
         self.drop_pages = None      # set by the engine: the kernel's pages of an inode dropped
+        # closes that overlapped in time may commit in parallel (acache.fs.overlap); one
+        # host's journal only (a cluster's head orders the closes it is sent)
+        self.overlap = Overlap() if hasattr(vfs, "meta") and hasattr(vfs.meta, "op") \
+            and not self.shared else None
         self._dirs: dict[int, tuple[int, list]] = {}        # fh -> (next vfs offset, rest)
         self._dirs_lock = threading.Lock()
         self._open_dirs: set[int] = set()
@@ -316,7 +321,16 @@ class Ops:
         return proto.WRITE_OUT.pack(n, 0)
 
     def flush(self, req: Request):
-        self.vfs.flush(proto.FLUSH_IN.unpack_from(req.body)[0])
+        fh = proto.FLUSH_IN.unpack_from(req.body)[0]
+        if self.overlap is None:
+            self.vfs.flush(fh)
+            return b""
+        meta = self.vfs.meta     # which closes this one overlapped: by request number
+        try:
+            with meta.op(self.overlap.floor(req.unique)):
+                self.vfs.flush(fh)
+        finally:
+            self.overlap.replied(meta.last_seq())   # before the reply, even an error's
         return b""
 
     def release(self, req: Request):

@@ -115,6 +115,7 @@ class Session:
                  threads: int, bufsize: int):
         self.devfd = devfd
         self.handlers = handlers
+        self.overlap = None      # set by the engine: acache.fs.overlap.Overlap (closes in parallel)
         self.nthreads = max(1, threads)
         self.bufsize = bufsize
         self.ended = threading.Event()
@@ -227,6 +228,7 @@ class Session:
         hdr = proto.IN_HEADER
         record = self.stats.shard().record
         clock = time.perf_counter_ns
+        seen = self.overlap.seen if self.overlap is not None else None
         while not self.ended.is_set():
             try:
                 n = os.readv(self.devfd, [buf])
@@ -242,6 +244,8 @@ class Session:
             length, opcode, unique, nodeid, uid, gid, pid, _ext, _ = hdr.unpack_from(buf)
             if opcode < 64:
                 counts[opcode] += 1
+            if seen is not None:
+                seen(unique)            # the highest request number read (acache.fs.overlap)
             req = Request(unique, opcode, nodeid, uid, gid, pid, mv[hdr.size:min(n, length)])
             t0 = clock()
             try:
