@@ -175,6 +175,14 @@ def read_through(path: Path, size: int) -> float:
     return dt
 
 
+def read_ahead_kib(mnt: Path) -> str:
+    dev = os.stat(mnt).st_dev
+    try:
+        return Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text().strip()
+    except OSError:
+        return "?"
+
+
 def closes(d: Path, n: int) -> float:
     """Closes per second: create + write 4 KiB + close of ``n`` new files in ``d``."""
     d.mkdir()
@@ -324,7 +332,12 @@ def case_read(c: Cluster, src: Path, rows: list, log) -> None:
                         dt = hosts.run_in(1, plain_copy, plain_addr, a.big,
                                           str(c.root / "b" / "plain-copy"), timeout=3600)
                     else:
+                        skipped = B.status().get("read_copy_skipped_bytes", 0)
                         dt = c.spy.run(f"read-{rate}-{rep}", read_through, B.mnt / name, a.big)
+                        skipped = B.status().get("read_copy_skipped_bytes", 0) - skipped
+                        log(f"read {rate} rep {rep + 1}: B's copy left out {skipped / MiB:.0f} MiB "
+                            f"(written behind: {(a.big - skipped) / MiB:.0f} MiB); B's mount "
+                            f"read-ahead {read_ahead_kib(B.mnt)} KiB")
                     t[what].append(dt)
                     log(f"read {rate} rep {rep + 1}: {what:6} {a.big / MiB / dt:8.0f} MiB/s")
                 (A.mnt / name).unlink()
