@@ -5,9 +5,11 @@ request over the peer transport elsewhere.  Bytes never do: a file opened for wr
 a generation of its own on this node (the head hands out the number), written in this
 node's cache directory at disk speed; close() asks the head to journal it, fsync() makes it
 durable here and records its size at the head.  Reading a file comes from this node's cache
-if it holds that generation, else from the holder's cache over the peer transport (read into
-a local copy chunk by chunk, with read-ahead: acache.data.readthrough), or from the
-under-storage once it is persisted and no cache holds it any more.
+if it holds that generation, else from the holder's cache over the peer transport (fetched
+chunk by chunk with read-ahead and served from the fetched chunk in memory, while a local copy
+is written behind: acache.data.readthrough; the copy may leave chunks out rather than hold a
+reader to this disk's speed, and counts as whole only once every chunk is written), or from
+the under-storage once it is persisted and no cache holds it any more.
 
 Consistency across nodes is close-to-open: a file closed on A reads whole on B from an open
 that starts after the close returned (the open asks the head which generation is current);
@@ -245,7 +247,7 @@ class ClientVFS:
                                   "not answer a moment ago")
                 try:
                     conn = self.peer(holder)
-                    buf = bytearray(n)
+                    buf = self.fetch.buffer(n)
                     got = conn.read_into("data.read", {"ino": ino, "gen": gen, "offset": off,
                                                        "length": n}, memoryview(buf))
                 except PeerUnavailable as e:

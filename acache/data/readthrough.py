@@ -39,6 +39,7 @@ log = logging.getLogger("acache.readthrough")
 READAHEAD = 4                 # chunks fetched ahead of a sequential reader
 BUFFER = 128 << 20            # bytes of fetched chunks held in memory, all files together
 WRITE_BEHIND = 64 << 20       # ... of them not yet written to their cache file
+SPARE = 4                     # chunk buffers kept for reuse (ReadThrough.buffer)
 
 
 class _Fill:
@@ -66,6 +67,7 @@ class ReadThrough:
         self._backlog = 0          # bytes queued for the write-behind (or being written)
         self._queue: collections.deque = collections.deque()
         self._writer: threading.Thread | None = None
+        self._spare: list[bytearray] = []
         self.requests = 0          # under-storage reads made (status: ufs_reads)
         self.bytes_read = 0
         self.hits = 0              # chunks a read needed that were in the cache already
@@ -327,6 +329,8 @@ class ReadThrough:
                     if ok:
                         fill.present.add(c)
                     fill.unwritten.discard(c)
+                    if fill.mem.get(c) is not data:       # dropped from memory meanwhile
+                        self._recycle(data)
                     self._backlog -= len(data)
                     self._trim()
                     self._lock.notify_all()
@@ -342,7 +346,9 @@ class ReadThrough:
             if key[2] in fill.unwritten:
                 continue
             del self._lru[key]
-            self._mem_bytes -= len(fill.mem.pop(key[2]))
+            buf = fill.mem.pop(key[2])
+            self._mem_bytes -= len(buf)
+            self._recycle(buf)
 
     def _drop_mem(self, ino: int, gen: int, fill: _Fill) -> None:
         """Under the lock: let go of ``fill``'s chunks in memory (the write-behind keeps its own
@@ -350,4 +356,27 @@ class ReadThrough:
         for c in list(fill.mem):
             if self._lru.get((ino, gen, c)) is fill:
                 del self._lru[(ino, gen, c)]
-            self._mem_bytes -= len(fill.mem.pop(c))
+            buf = fill.mem.pop(c)
+            self._mem_bytes -= len(buf)
+            if c not in fill.unwritten:        # else the write-behind recycles it
+                self._recycle(buf)
+
+    def buffer(self, n: int) -> bytearray:
+        """A buffer for a reader to fetch ``n`` bytes into: a chunk's buffer used before if
+        one is spare (fresh memory costs a page fault per page, a reused buffer none)."""
+        if n == self.chunk:
+            with self._lock:
+                if self._spare:
+                    return self._spare.pop()
+        return bytearray(n)
+
+    def _recycle(self, buf) -> None:
+        """Under the lock: keep a chunk's buffer that nothing uses any more for the next fetch."""
+        if type(buf) is not bytearray or len(buf) != self.chunk or len(self._spare) >= SPARE:
+            return
+        try:               # a memoryview of it still held somewhere (a reply being sent)?
+            buf.append(0)
+            buf.pop()
+        except BufferError:
+            return
+        self._spare.append(buf)
