@@ -68,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rates", default="none,2gbit",
                     help="links of the read case: none (the bare veth) and/or tc rates")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--engine", default="pyfuse3", choices=["pyfuse3", "native"])
+    ap.add_argument("--engine", default="native", choices=["pyfuse3", "native"],
+                    help="the mounts' engine (default native: what `acache mount` uses)")
     ap.add_argument("--profile", type=Path, default=None, help="py-spy raw profiles to this directory")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: /var/tmp)")

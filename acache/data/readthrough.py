@@ -39,6 +39,7 @@ log = logging.getLogger("acache.readthrough")
 READAHEAD = 4                 # chunks fetched ahead of a sequential reader
 BUFFER = 128 << 20            # bytes of fetched chunks held in memory, all files together
 WRITE_BEHIND = 64 << 20       # ... of them not yet written to their cache file
+WHOLE_KEPT = 4096             # files made whole, remembered (until forget) for late readers
 SPARE = 4                     # chunk buffers kept for reuse (ReadThrough.buffer)
 
 
@@ -68,6 +69,9 @@ class ReadThrough:
         self._queue: collections.deque = collections.deque()
         self._writer: threading.Thread | None = None
         self._spare: list[bytearray] = []
+        # files made whole lately: a reader that was already on its way (the kernel sends
+        # several READs at once) reads the copy instead of starting the fetch over
+        self._whole: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
         self.requests = 0          # under-storage reads made (status: ufs_reads)
         self.bytes_read = 0
         self.hits = 0              # chunks a read needed that were in the cache already
@@ -76,6 +80,7 @@ class ReadThrough:
 
     def forget(self, ino: int, gen: int) -> None:
         with self._lock:
+            self._whole.pop((ino, gen), None)
             fill = self._fills.pop((ino, gen), None)
             if fill is not None:
                 self._drop_mem(ino, gen, fill)
@@ -88,8 +93,9 @@ class ReadThrough:
         next READAHEAD ones).  Returns ``(data, whole)``: ``whole`` once every chunk is in the
         cache file.  With ``wait=False``: None instead of waiting for a fetch."""
         end = min(size, offset + length)
-        with self._lock:
-            fill = self._fills.setdefault((ino, gen), _Fill(size, self.chunk))
+        fill = self._fill(ino, gen, size)
+        if fill is None:
+            return os.pread(fd, max(0, end - offset), offset), True
         if end <= offset:
             return b"", self._done(ino, gen, fill)
         first, last = offset // self.chunk, (end - 1) // self.chunk
@@ -145,12 +151,25 @@ class ReadThrough:
             raise FsError(5, f"short read of {upath()} at {lo}: {len(data)} of {hi - lo} bytes")
         return data
 
+    def _fill(self, ino: int, gen: int, size: int) -> _Fill | None:
+        """The fill of (ino, gen); None if it was made whole lately."""
+        with self._lock:
+            fill = self._fills.get((ino, gen))
+            if fill is None:
+                if (ino, gen) in self._whole:
+                    return None
+                fill = self._fills[(ino, gen)] = _Fill(size, self.chunk)
+            return fill
+
     def _done(self, ino: int, gen: int, fill: _Fill) -> bool:
         with self._lock:
             done = len(fill.present) >= fill.nchunks
             if done and self._fills.get((ino, gen)) is fill:
                 del self._fills[(ino, gen)]
                 self._drop_mem(ino, gen, fill)
+                self._whole[(ino, gen)] = None
+                if len(self._whole) > WHOLE_KEPT:
+                    self._whole.popitem(last=False)
         return done
 
     # -- bytes in the cache file on return ---------------------------------------------------
@@ -161,8 +180,9 @@ class ReadThrough:
         (if given) reads the bytes from elsewhere instead (a peer's cache, in a cluster).
         Returns True once the whole file is present."""
         end = min(size, offset + length)
-        with self._lock:
-            fill = self._fills.setdefault((ino, gen), _Fill(size, self.chunk))
+        fill = self._fill(ino, gen, size)
+        if fill is None:
+            return True
         if end > offset:
             first, last = offset // self.chunk, (end - 1) // self.chunk
             wanted = list(range(first, last + 1))
