@@ -44,9 +44,10 @@ def run_stressor(d: Path, stressor: str, seconds: float = 10) -> float:
     d.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="acb-sng-") as tmp:
         out = Path(tmp) / "metrics.yaml"
+        # cwd: the open stressor leaves a file in its working directory
         p = subprocess.run(["stress-ng", f"--{stressor}", "1", "--timeout", f"{seconds:g}s",
                             "--temp-path", str(d), "--metrics-brief", "--yaml", str(out)],
-                           capture_output=True, text=True, timeout=seconds + 120)
+                           capture_output=True, text=True, timeout=seconds + 120, cwd=d)
         if p.returncode != 0:
             tail = (p.stderr.strip() or p.stdout.strip()).splitlines()[-1:] or [""]
             raise RuntimeError(f"stress-ng --{stressor} exited {p.returncode}: {tail[0]}")
