@@ -9,6 +9,7 @@ import socket
 import stat
 import threading
 
+from acache.errors import FsError
 from acache.fs.native import proto
 from acache.fs.native.ops import Ops
 from acache.fs.native.passthrough import OpenTable
@@ -95,6 +96,23 @@ def test_readdirplus_counts_lookups_only_for_entries_sent(tmp_path):
     n = len(_parse(reply, True)) - 2
     assert 0 < n < 200
     assert sum(node.lookups for node in vfs2.nodes.values() if node.ino not in (1, d2)) == n
+
+
+def test_lookup_of_a_missing_name_is_a_negative_entry_the_kernel_may_keep(tmp_path):
+    """A miss is answered with nodeid 0 and the names' timeout (the kernel keeps it and
+    sends no LOOKUP again before a create), except where other hosts change the namespace."""
+    vfs, _, d, _ = _dir_with(tmp_path, 1)
+    ops = Ops(vfs, OpenTable(-1, False), entry_timeout=60.0)
+    req = Request(3, proto.LOOKUP, d, 0, 0, 0, memoryview(b"missing\0"))
+    nodeid, gen, entry_valid, attr_valid, _, _ = proto.ENTRY_OUT_HEAD.unpack_from(ops.lookup(req))
+    assert (nodeid, gen, entry_valid, attr_valid) == (0, 0, 60, 0)
+    ops.shared = True
+    try:
+        ops.lookup(req)
+        raise AssertionError("a shared namespace must answer ENOENT")
+    except FsError as e:
+        assert e.errno == errno.ENOENT
+    assert not vfs.violations
 
 
 # --- the session: replies and INTERRUPT ----------------------------------------------------

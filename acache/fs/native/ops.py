@@ -125,7 +125,17 @@ class Ops:
     # --- names -----------------------------------------------------------------------------
 
     def lookup(self, req: Request):
-        a = self.vfs.lookup(req.nodeid, _name(req.body), req.ctx())
+        try:
+            a = self.vfs.lookup(req.nodeid, _name(req.body), req.ctx())
+        except FsError as e:
+            if e.errno != errno.ENOENT or self.shared:
+                raise
+            # A name that does not exist stays missing until it is created through this
+            # mount (the parent's under-storage entries are merged before any lookup in it
+            # answers): the kernel may keep the miss as long as a name (nodeid 0, no lookup
+            # count), which spares the LOOKUP before each create, mkdir and rename to a new
+            # name.  Not where other hosts change the namespace (acache.cluster).
+            return proto.pack_entry(None, self.entry_timeout, 0.0)
         return Reply(self._entry(a), self._forget_one(a.ino))
 
     def forget(self, req: Request):
