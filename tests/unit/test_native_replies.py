@@ -115,6 +115,20 @@ def test_lookup_of_a_missing_name_is_a_negative_entry_the_kernel_may_keep(tmp_pa
     assert not vfs.violations
 
 
+def test_only_read_only_opens_skip_the_flush_at_close(tmp_path):
+    """FOPEN_NOFLUSH on a read-only open (its FLUSH does nothing), never on a writer's,
+    whose FLUSH is the close that journals the file."""
+    vfs, ops, d, names = _dir_with(tmp_path, 1)
+    ino = vfs.lookup(d, next(iter(names)), Ctx()).ino
+    got = {}
+    for unique, flags in enumerate((os.O_RDONLY, os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC)):
+        reply = ops.open(Request(20 + unique, proto.OPEN, ino, 0, 0, 0,
+                                 memoryview(proto.OPEN_IN.pack(flags, 0))))
+        got[flags] = bool(proto.OPEN_OUT.unpack(reply.parts)[1] & proto.FOPEN_NOFLUSH)
+    assert got == {os.O_RDONLY: True, os.O_WRONLY: False, os.O_RDWR: False,
+                   os.O_RDONLY | os.O_TRUNC: False}
+
+
 # --- the session: replies and INTERRUPT ----------------------------------------------------
 
 class Wire:

@@ -99,8 +99,13 @@ class Ops:
         return lambda: self.vfs.forget([(ino, 1)])
 
     def _open_reply(self, ino: int, fh: int, flags: int) -> bytes:
-        open_flags, backing_id = self.table.open(ino, fh, _writable(flags),
+        writable = _writable(flags)
+        open_flags, backing_id = self.table.open(ino, fh, writable,
                                                  lambda: self.vfs.passthrough_fd(fh, True))
+        if not writable:
+            # the FLUSH of a read-only handle does nothing (only a writer's close journals):
+            # one round trip less per open + close
+            open_flags |= proto.FOPEN_NOFLUSH
         return proto.OPEN_OUT.pack(fh, open_flags, backing_id)
 
     def _kill_suidgid(self, ino: int, req: Request, fh: int | None = None) -> None:
