@@ -14,6 +14,7 @@ from rich.console import Console
 
 from acache.bench import fio
 from acache.bench.meta import LABELS as META_LABELS, OPS as META_OPS, run_meta
+from acache.bench import stressng
 from acache.bench.ckpt import CkptWorkers, WorkerError
 from acache.bench.procs import Owned, drop_caches
 from acache.bench.report import Measurement
@@ -355,6 +356,25 @@ class Bench:
                     self.measure(6, META_LABELS[op], p.id, rep, "ops_s", "raw",
                                  lambda op=op: {"ops_s": rates[op]})
                 self.settle(p, sub)
+
+    # -- case 7 ------------------------------------------------------------------------------------
+    def stressng_case(self) -> None:
+        """stress-ng's metadata stressors (issue 10's measurement): each stressor on each
+        target in turn, next to the raw directory on the cache filesystem."""
+        if not stressng.available():
+            self.note("stress-ng is not installed: case 7 skipped (Debian package stress-ng)")
+            return
+        places: list[Place] = [Place("raw", self.raw), *self.acache_places("file")]
+        for rep in range(self.a.repeat):
+            for s in self.a.stressors:
+                for p in rotate(places, rep):
+                    if ("*", p.id) in self.broken:
+                        continue
+                    sub = "stress-ng"
+                    self.measure(7, stressng.LABELS[s], p.id, rep, "ops_s", "raw",
+                                 lambda: {"ops_s": stressng.run_stressor(
+                                     p.dir(sub), s, self.a.stress_seconds)})
+                    self.settle(p, sub)
 
     def _through(self, p: AcachePlace, src: Path) -> dict:
         dst = p.dir("persist") / "persist.bin"

@@ -19,7 +19,7 @@ from acache.config import parse_size
 from acache.bench import report
 from acache.bench.procs import Owned, fuse_mounts
 
-ALL_CASES = (1, 2, 3, 4, 5, 6)
+ALL_CASES = (1, 2, 3, 4, 5, 6, 7)
 ENGINES = ("pyfuse3", "native", "native-nopt")   # native-nopt: native, passthrough = false
 DEFAULT_ENGINES = ("pyfuse3", "native")
 
@@ -30,9 +30,9 @@ def _cases(text: str) -> list[int]:
     try:
         out = sorted({int(x) for x in text.replace(" ", "").split(",") if x})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--cases: a comma-separated list of 1-6, not {text!r}")
+        raise argparse.ArgumentTypeError(f"--cases: a comma-separated list of 1-7, not {text!r}")
     if not out or not set(out) <= set(ALL_CASES):
-        raise argparse.ArgumentTypeError(f"--cases: choose from 1-6 (got {text!r})")
+        raise argparse.ArgumentTypeError(f"--cases: choose from 1-7 (got {text!r})")
     return out
 
 
@@ -57,13 +57,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="acache benchmarks, each case interleaved with its baselines in the same run. "
                     "Cases: 1 fio write, 2 read-after-write, 3 checkpoint stall (torch.save, DCP), "
                     "4 persist throughput, 5 rclone mount as a peer in cases 1 and 3, "
-                    "6 metadata ops/s (create, stat, rename, utime, readdir, unlink).")
+                    "6 metadata ops/s (create, stat, rename, utime, readdir, unlink), "
+                    "7 stress-ng metadata stressors (rename, open, utime, dentry, dir).")
     ap.add_argument("--cases", type=_cases, default=list(ALL_CASES), help="e.g. 1,2,4 (default: all)")
     ap.add_argument("--size", type=_size, default=2 << 30,
                     help="state dict / persisted bytes, and fio bytes unless --fio-size (default 2GiB)")
     ap.add_argument("--fio-size", type=_size, default=None, help="bytes per fio run (all jobs together)")
     ap.add_argument("--meta-files", type=int, default=10000,
                     help="case 6: files per run, 4 KiB each, 1,000 per directory (default 10000)")
+    ap.add_argument("--stress-seconds", type=float, default=10.0,
+                    help="case 7: seconds per stress-ng stressor (default 10, as issue 10 ran them)")
+    ap.add_argument("--stressors", default="rename,open,utime,dentry,dir",
+                    help="case 7: which stress-ng stressors (default rename,open,utime,dentry,dir)")
     ap.add_argument("--repeat", type=int, default=3, help="reps per case; the table shows medians")
     ap.add_argument("--engines", type=_engines, default=list(DEFAULT_ENGINES),
                     help="pyfuse3,native (default) and/or native-nopt (native, passthrough off)")
@@ -90,6 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--repeat must be >= 1")
     if a.meta_files < 1:
         ap.error("--meta-files must be >= 1")
+    a.stressors = [x for x in a.stressors.replace(" ", "").split(",") if x]
+    from acache.bench.stressng import STRESSORS
+    if not a.stressors or not set(a.stressors) <= set(STRESSORS):
+        ap.error(f"--stressors: choose from {','.join(STRESSORS)}")
     a.fio_size = a.fio_size or a.size
     a.op_timeout = a.op_timeout or max(300.0, max(a.size, a.fio_size) / (2 << 20))
     if a.json is None:
@@ -150,6 +159,8 @@ def run(a: argparse.Namespace, console: Console) -> int:
             bench.persist_case()
         if 6 in a.cases:
             bench.meta_case()
+        if 7 in a.cases:
+            bench.stressng_case()
         if a.cases == [5]:
             bench.note("case 5 adds rclone to cases 1 and 3: select them too (e.g. --cases 1,3,5)")
         complete = True

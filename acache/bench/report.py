@@ -21,6 +21,7 @@ CASES = {
     3: ("checkpoint stall: time until the save call returns", "seconds", "raw"),
     4: ("persist throughput: close -> persisted", "mib_s", None),
     6: ("metadata: operations per second, files of 4 KiB, 1,000 per directory", "ops_s", "raw"),
+    7: ("stress-ng metadata stressors, 1 worker: bogo-ops/s (real time)", "ops_s", "raw"),
 }
 LABELS = {
     "raw": "raw disk (cache fs)", "dir": "directory (file:// under-storage)",
@@ -124,7 +125,7 @@ def tables(rows: list[Row]) -> list[Table]:
             for c in ("p50 ms", "p99 ms", "p99.9 ms"):
                 t.add_column(c, justify="right")
             t.add_column("× raw", justify="right")
-        elif case == 6:
+        elif case in (6, 7):
             t.add_column("ops/s", justify="right")
             t.add_column("× raw", justify="right")
         elif case == 3:
@@ -148,7 +149,7 @@ def tables(rows: list[Row]) -> list[Table]:
                 v = f"{_f(m[r.primary])} {'IOPS' if r.primary == 'iops' else ''}".strip()
                 cells = [v, _f(m.get("p50_ms"), 3), _f(m.get("p99_ms"), 3), _f(m.get("p999_ms"), 3),
                          _ratio(r.ratio)]
-            elif case == 6:
+            elif case in (6, 7):
                 cells = [_f(m["ops_s"]), _ratio(r.ratio)]
             elif case == 3:
                 cells = [_f(m["seconds"], 3), _ratio(r.ratio), _ratio(r.s3_over)]

@@ -61,6 +61,24 @@ class Ops(pyfuse3.Operations):
         # requests by kind with their latency: every handler runs on the one trio thread
         self.stats = OpStats(dict(enumerate(TIMED_OPS)))
         self._record = self.stats.shard().record
+        # optional VFS fast paths (answers from memory, on the trio thread: a thread hop
+        # costs more than the lookup)
+        self._lookup_fast = getattr(vfs, "lookup_fast", None)
+        self._getattr_fast = getattr(vfs, "getattr_fast", None)
+
+    @staticmethod
+    def _inline(fn, *args):
+        """A VFS fast path run on the trio thread (it never blocks): its answer, or None
+        when the caller must take the worker-thread path (also after an unexpected error,
+        which that path then meets, logs and answers)."""
+        if fn is None:
+            return None
+        try:
+            return fn(*args)
+        except FsError as e:
+            raise pyfuse3.FUSEError(e.errno) from None
+        except Exception:
+            return None
 
     async def _call(self, fn, *args, **kw):
         try:
@@ -94,6 +112,9 @@ class Ops(pyfuse3.Operations):
                 log.exception("undoing what a failed %s changed", type(e).__name__)
 
     async def lookup(self, parent_inode, name, ctx=None):
+        a = self._inline(self._lookup_fast, parent_inode, name)   # memory only: no hop
+        if a is not None:
+            return _entry(a)
         return _entry(await self._call(self.vfs.lookup, parent_inode, name, _ctx(ctx)))
 
     async def forget(self, inode_list):
@@ -103,6 +124,9 @@ class Ops(pyfuse3.Operations):
             log.exception("forget")
 
     async def getattr(self, inode, ctx=None):
+        a = self._inline(self._getattr_fast, inode)
+        if a is not None:
+            return _entry(a)
         return _entry(await self._call(self.vfs.getattr, inode))
 
     async def setattr(self, inode, attr, fields, fh, ctx):

@@ -167,6 +167,37 @@ class VFS(FileOps):
             self._lookups[node.ino] = self._lookups.get(node.ino, 0) + 1
             return self.attr(node)
 
+    def lookup_fast(self, parent: int, name: bytes) -> Attr | None:
+        """lookup() for an engine's event loop, when it needs nothing but memory: never
+        waits for the lock or the under-storage.  None when the caller must use lookup()
+        (from a worker thread) instead: the lock is busy, ``.``/``..``, or the parent's
+        under-storage entries are not merged yet."""
+        if name in (b".", b"..") or len(name) > NAME_MAX:
+            return None
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            p = self.meta.get(parent)
+            if p is None or not p.is_dir or not p.listed:
+                return None
+            ino = self.meta.child(parent, name)
+            node = self.meta.get(ino) if ino is not None else None
+            if node is None:
+                raise FsError(errno.ENOENT)
+            self._lookups[node.ino] = self._lookups.get(node.ino, 0) + 1
+            return self.attr(node)
+        finally:
+            self.lock.release()
+
+    def getattr_fast(self, ino: int) -> Attr | None:
+        """getattr() for an engine's event loop: None when the lock is busy."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            return self.attr(self._node(ino))
+        finally:
+            self.lock.release()
+
     def incref(self, ino: int) -> None:
         with self.lock:
             self._lookups[ino] = self._lookups.get(ino, 0) + 1

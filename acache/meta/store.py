@@ -169,6 +169,10 @@ _INODE_FIELDS = tuple(f.name for f in fields(Inode))
 _ENTRY_FIELDS = tuple(f.name for f in fields(Entry) if f.name != "t")   # t: memory only
 
 
+def _seq(e: "Entry") -> int:
+    return e.seq
+
+
 def _drop(index: dict[int, set[int]], key: int, seq: int) -> None:
     seqs = index.get(key)
     if seqs is not None:
@@ -311,7 +315,10 @@ class MetaStore:
         self._journal: dict[int, Entry] = {}
         # indexes of the journal, so that no namespace call scans it (rmtree of N pending
         # files would cost N x pending): ino -> seqs
-        self._of_ino: dict[int, set[int]] = {}    # entries about the inode itself (e.ino)
+        # entries about the inode itself (e.ino), by op, each in seq order: entries_of(ino,
+        # op) costs what it returns, not the inode's whole history (a file renamed round and
+        # round has thousands of RENAMEs pending while the PUT is asked for at every rename)
+        self._of_ino: dict[int, dict[str, dict[int, Entry]]] = {}
         self._moves_of: dict[int, set[int]] = {}  # pending RENAMEs moving it (or a dir above)
         # seq -> entry, in seq order: the PUTs, and the entries that change a path (what the
         # persister's scheduler looks at, so that it never walks the whole head of the journal)
@@ -353,7 +360,7 @@ class MetaStore:
     def _index(self, e: Entry) -> None:
         """Called in seq order (appends; loading and restoring walk the journal in order),
         so the ordered indexes stay in seq order."""
-        self._of_ino.setdefault(e.ino, set()).add(e.seq)
+        self._of_ino.setdefault(e.ino, {}).setdefault(e.op, {})[e.seq] = e
         for ino in e.inos if e.op == "rename" else ():
             self._moves_of.setdefault(ino, set()).add(e.seq)
         if e.op == "put":
@@ -362,7 +369,15 @@ class MetaStore:
             self._path_changes[e.seq] = e
 
     def _unindex(self, e: Entry) -> None:
-        _drop(self._of_ino, e.ino, e.seq)
+        by_op = self._of_ino.get(e.ino)
+        if by_op is not None:
+            seqs = by_op.get(e.op)
+            if seqs is not None:
+                seqs.pop(e.seq, None)
+                if not seqs:
+                    del by_op[e.op]
+                    if not by_op:
+                        del self._of_ino[e.ino]
         for ino in e.inos if e.op == "rename" else ():
             _drop(self._moves_of, ino, e.seq)
         self._puts.pop(e.seq, None)
@@ -423,8 +438,13 @@ class MetaStore:
 
     def entries_of(self, ino: int, *ops: str) -> list[Entry]:
         """Pending entries about ``ino`` itself (``e.ino``), oldest first; only ``ops`` if given."""
-        es = [self._journal[s] for s in sorted(self._of_ino.get(ino, ()))]
-        return [e for e in es if e.op in ops] if ops else es
+        by_op = self._of_ino.get(ino)
+        if not by_op:
+            return []
+        groups = [g for g in (by_op.values() if not ops else map(by_op.get, ops)) if g]
+        if len(groups) == 1:
+            return list(groups[0].values())
+        return sorted((e for g in groups for e in g.values()), key=_seq)
 
     def entry(self, seq: int) -> Entry | None:
         return self._journal.get(seq)

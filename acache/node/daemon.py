@@ -27,8 +27,9 @@ log = logging.getLogger("acache.node")
 # How long the kernel may keep a name -> inode answer. The namespace changes only through
 # the one mount (create, rename, unlink... update the kernel's names as they happen; an
 # under-storage directory's entries are merged before anything of it is looked up or
-# listed, and a missing name is never kept), so a name cannot go stale: a long timeout
-# spares a LOOKUP per path operation on a file not touched for a second.
+# listed), so a name cannot go stale: a long timeout spares a LOOKUP per path operation
+# on a file not touched for a second.  A missing name is kept as long (a negative entry,
+# native engine): it can appear only through the mount too.
 NATIVE_ENTRY_TIMEOUT = 60.0
 FLUSH_SCAN_GAP = 0.02     # s: how often a waiting `flush --wait` looks at the journal, at most
 

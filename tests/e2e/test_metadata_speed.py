@@ -46,3 +46,39 @@ def test_names_stay_known_to_the_kernel_past_a_second(native_node):
     assert not (d / "a").exists() and sorted(os.listdir(d)) == ["c"]
     native_node.flush()
     assert native_node.ufs_files() == {"ck/c": b"y" * 20}
+
+
+def _requests(node, op: str) -> int:
+    return node.status()["fuse_requests"].get(op, 0)
+
+
+def test_a_missing_name_is_looked_up_once(native_node):
+    # the kernel keeps the miss: the exists-check of a save and its create cost one LOOKUP
+    d = native_node.mnt / "ck"
+    d.mkdir()
+    before = _lookups(native_node)
+    for _ in range(3):
+        assert not (d / "model.pt").exists()
+    (d / "model.pt").write_bytes(b"z" * 5)
+    assert (d / "model.pt").read_bytes() == b"z" * 5
+    assert _lookups(native_node) - before == 1
+    os.unlink(d / "model.pt")
+    assert not (d / "model.pt").exists()
+    native_node.flush()
+    assert native_node.ufs_files() == {}
+
+
+def test_a_read_only_close_sends_no_flush(native_node):
+    # FLUSH of a read-only handle does nothing, so the kernel is told not to send it
+    f = native_node.mnt / "r"
+    f.write_bytes(b"q" * 7)
+    before = _requests(native_node, "FLUSH")
+    for _ in range(5):
+        with open(f, "rb") as fh:
+            assert fh.read() == b"q" * 7
+    assert _requests(native_node, "FLUSH") == before
+    with open(f, "ab") as fh:          # a writer's close still flushes (journals the file)
+        fh.write(b"!")
+    assert _requests(native_node, "FLUSH") == before + 1
+    native_node.flush()
+    assert native_node.ufs_files() == {"r": b"q" * 7 + b"!"}

@@ -77,3 +77,25 @@ def test_bench_smoke(tmp_path):
     # everything it started is gone: no mount left, no scratch directory left
     assert not [m for m in _fuse_mounts() if m.startswith(str(work))]
     assert list(work.iterdir()) == []
+
+
+def test_stressng_figure_is_its_bogo_ops_per_second_real_time():
+    """Case 7 reports what issue 10 quoted: stress-ng's bogo-ops/s (real time) of the stressor
+    asked for, read from its --yaml metrics."""
+    from acache.bench.stressng import _bogo_real
+    text = """---
+metrics:
+    - stressor: open
+      bogo-ops: 100
+      bogo-ops-per-second-usr-sys-time: 999.0
+      bogo-ops-per-second-real-time: 12.5
+    - stressor: rename
+      bogo-ops: 30726
+      bogo-ops-per-second-usr-sys-time: 19811.377325
+      bogo-ops-per-second-real-time: 10193.144177
+...
+"""
+    assert _bogo_real(text, "rename") == pytest.approx(10193.144177)
+    assert _bogo_real(text, "open") == 12.5
+    with pytest.raises(RuntimeError):
+        _bogo_real(text, "utime")

@@ -37,7 +37,7 @@ def memory(meta: MetaStore):
     inodes = {i: n.pack() for i, n in meta._inodes.items()}
     children = {p: dict(c) for p, c in meta._children.items() if c}
     journal = [e.pack() for e in meta._journal.values()]
-    index = ({k: set(v) for k, v in meta._of_ino.items()}, {k: set(v) for k, v in meta._moves_of.items()},
+    index = ({k: {op: list(es) for op, es in v.items()} for k, v in meta._of_ino.items()}, {k: set(v) for k, v in meta._moves_of.items()},
              [e.pack() for e in meta.pending_puts()], [e.pack() for e in meta.path_changes()])
     return inodes, children, journal, index
 

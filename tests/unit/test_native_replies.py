@@ -9,6 +9,7 @@ import socket
 import stat
 import threading
 
+from acache.errors import FsError
 from acache.fs.native import proto
 from acache.fs.native.ops import Ops
 from acache.fs.native.passthrough import OpenTable
@@ -95,6 +96,37 @@ def test_readdirplus_counts_lookups_only_for_entries_sent(tmp_path):
     n = len(_parse(reply, True)) - 2
     assert 0 < n < 200
     assert sum(node.lookups for node in vfs2.nodes.values() if node.ino not in (1, d2)) == n
+
+
+def test_lookup_of_a_missing_name_is_a_negative_entry_the_kernel_may_keep(tmp_path):
+    """A miss is answered with nodeid 0 and the names' timeout (the kernel keeps it and
+    sends no LOOKUP again before a create), except where other hosts change the namespace."""
+    vfs, _, d, _ = _dir_with(tmp_path, 1)
+    ops = Ops(vfs, OpenTable(-1, False), entry_timeout=60.0)
+    req = Request(3, proto.LOOKUP, d, 0, 0, 0, memoryview(b"missing\0"))
+    nodeid, gen, entry_valid, attr_valid, _, _ = proto.ENTRY_OUT_HEAD.unpack_from(ops.lookup(req))
+    assert (nodeid, gen, entry_valid, attr_valid) == (0, 0, 60, 0)
+    ops.shared = True
+    try:
+        ops.lookup(req)
+        raise AssertionError("a shared namespace must answer ENOENT")
+    except FsError as e:
+        assert e.errno == errno.ENOENT
+    assert not vfs.violations
+
+
+def test_only_read_only_opens_skip_the_flush_at_close(tmp_path):
+    """FOPEN_NOFLUSH on a read-only open (its FLUSH does nothing), never on a writer's,
+    whose FLUSH is the close that journals the file."""
+    vfs, ops, d, names = _dir_with(tmp_path, 1)
+    ino = vfs.lookup(d, next(iter(names)), Ctx()).ino
+    got = {}
+    for unique, flags in enumerate((os.O_RDONLY, os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC)):
+        reply = ops.open(Request(20 + unique, proto.OPEN, ino, 0, 0, 0,
+                                 memoryview(proto.OPEN_IN.pack(flags, 0))))
+        got[flags] = bool(proto.OPEN_OUT.unpack(reply.parts)[1] & proto.FOPEN_NOFLUSH)
+    assert got == {os.O_RDONLY: True, os.O_WRONLY: False, os.O_RDWR: False,
+                   os.O_RDONLY | os.O_TRUNC: False}
 
 
 # --- the session: replies and INTERRUPT ----------------------------------------------------

@@ -526,3 +526,37 @@ def test_a_held_put_closed_again_waits_for_what_closed_before_that_close(tmp_pat
         assert r.files() == {"h": b"A" * 1000 + b"B", "w": b"w", "x": b"x"}
     finally:
         r.stop()
+
+
+def test_fast_lookup_and_getattr_answer_from_memory_or_defer(rig):
+    """The event-loop fast paths: the same answers as lookup()/getattr() (a lookup counted
+    once), ENOENT for a missing name, and None (take the worker thread) when the lock is
+    held elsewhere or the parent's under-storage entries are not merged yet."""
+    d = rig.mkdir(ROOT_INO, b"d")
+    ino = rig.write(d, b"f", b"abc")
+    rig.drain()                                # the persister idle: nobody else takes the lock
+    a = rig.vfs.lookup_fast(d, b"f")
+    assert a is not None and (a.ino, a.size) == (ino, 3)
+    assert rig.vfs._lookups[ino] == 2          # create's reference + this one
+    assert rig.vfs.getattr_fast(ino) == rig.vfs.getattr(ino)
+    with pytest.raises(FsError) as e:
+        rig.vfs.lookup_fast(d, b"missing")
+    assert e.value.errno == errno.ENOENT
+    assert rig.vfs.lookup_fast(d, b"..") is None
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with rig.meta.lock:
+            held.set()
+            done.wait(10)
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    try:
+        assert rig.vfs.lookup_fast(d, b"f") is None and rig.vfs.getattr_fast(ino) is None
+    finally:
+        done.set()
+        t.join()
+    assert rig.vfs._lookups[ino] == 2
+    rig.meta.get(d).listed = False             # as a directory of the under-storage not yet listed
+    assert rig.vfs.lookup_fast(d, b"f") is None

@@ -104,8 +104,13 @@ class Ops:
         return lambda: self.vfs.forget([(ino, 1)])
 
     def _open_reply(self, ino: int, fh: int, flags: int) -> bytes:
-        open_flags, backing_id = self.table.open(ino, fh, _writable(flags),
+        writable = _writable(flags)
+        open_flags, backing_id = self.table.open(ino, fh, writable,
                                                  lambda: self.vfs.passthrough_fd(fh, True))
+        if not writable:
+            # the FLUSH of a read-only handle does nothing (only a writer's close journals):
+            # one round trip less per open + close
+            open_flags |= proto.FOPEN_NOFLUSH
         return proto.OPEN_OUT.pack(fh, open_flags, backing_id)
 
     def _kill_suidgid(self, ino: int, req: Request, fh: int | None = None) -> None:
@@ -130,7 +135,17 @@ class Ops:
     # --- names -----------------------------------------------------------------------------
 
     def lookup(self, req: Request):
-        a = self.vfs.lookup(req.nodeid, _name(req.body), req.ctx())
+        try:
+            a = self.vfs.lookup(req.nodeid, _name(req.body), req.ctx())
+        except FsError as e:
+            if e.errno != errno.ENOENT or self.shared:
+                raise
+            # A name that does not exist stays missing until it is created through this
+            # mount (the parent's under-storage entries are merged before any lookup in it
+            # answers): the kernel may keep the miss as long as a name (nodeid 0, no lookup
+            # count), which spares the LOOKUP before each create, mkdir and rename to a new
+            # name.  Not where other hosts change the namespace (acache.cluster).
+            return proto.pack_entry(None, self.entry_timeout, 0.0)
         return Reply(self._entry(a), self._forget_one(a.ino))
 
     def forget(self, req: Request):

@@ -49,6 +49,7 @@ PASSTHROUGH = 1 << 37     # flags2 bit 5
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_CACHE_DIR = 1 << 3     # the kernel keeps a directory's listing (dirs only)
+FOPEN_NOFLUSH = 1 << 5       # no FLUSH at close(2) (ignored under WRITEBACK_CACHE; 7.35+)
 FOPEN_PASSTHROUGH = 1 << 7   # never with KEEP_CACHE: the kernel fails the open (EIO)
 GETATTR_FH = 1 << 0
 FSYNC_FDATASYNC = 1 << 0
