@@ -74,7 +74,6 @@ class Persister:
         # entries being applied right now (a rename/delete/mkdir/rmdir alone; PUTs whose
         # closes overlapped in time several at once: _pick)
         self._committing: dict[int, Entry] = {}
-        self._alongside = False     # _pick saw PUTs that may commit with its picks (later)
         self.commit_pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-commit")
         self._outage = False                    # the last attempt failed: probe, one at a time
         self.gc: Callable[[int, int], None] = lambda ino, gen: None
@@ -210,7 +209,7 @@ class Persister:
                     self.last_error = f"internal error scheduling uploads: {type(e).__name__}: {e}"
                     self.cond.wait(1.0)
                     continue
-                picks = self._pick()
+                picks, alongside = self._pick()
                 if not picks:
                     self._sleep_until = time.monotonic() + timeout
                     try:
@@ -224,7 +223,7 @@ class Persister:
                     elif e.op in ("mkdir", "symlink", "attrs"):
                         e.attrs = self._attrs_of(e.ino)   # as they are now (journal.on_attrs)
                     self._committing[e.seq] = e   # from now on the journal rules may not cancel it
-            if len(picks) == 1 and not self._alongside:
+            if len(picks) == 1 and not alongside:
                 self._commit(*picks[0])     # nothing may commit alongside it: no thread hop
                 continue
             for e, job in picks:
@@ -251,24 +250,24 @@ class Persister:
                 self._committing.pop(e.seq, None)
                 self.cond.notify_all()
 
-    def _pick(self) -> list[tuple[Entry, Job | None]]:
+    def _pick(self) -> tuple[list[tuple[Entry, Job | None]], bool]:
         """The entries to commit now (under the lock).  The journal's oldest entry when it
         is ready; with it, or while others commit, every later PUT whose own ordering allows
         it: the entries up to its ``after`` have landed (nothing before it that had returned
         when its close began is still pending), no earlier pending entry has its path or
         inode, and no entry other than a PUT comes before it (renames, deletes, directories
-        and attributes are applied alone, in seq order, after everything before them)."""
+        and attributes are applied alone, in seq order, after everything before them).
+        Also whether other PUTs may commit alongside these, now or once staged."""
         entries = self.meta.head(WINDOW)
         if not entries:
-            return []
+            return [], False
         first = entries[0]
-        self._alongside = False
         if first.op != "put":
             if self._committing or not self._head_ready(first):
-                return []
-            return [(first, None)]
+                return [], False
+            return [(first, None)], False
         room = self.concurrency - len(self._committing)
-        self._alongside = bool(self._committing)   # may others commit while these do?
+        alongside = bool(self._committing)
         picks: list[tuple[Entry, Job | None]] = []
         paths: set[str] = set()
         inos: set[int] = set()
@@ -287,10 +286,10 @@ class Persister:
                 picks.append((e, job))
                 room -= 1
             elif e.seq not in self._committing:
-                self._alongside = True   # could go once staged: keep the loop free for it
+                alongside = True         # could go once staged: keep the loop free for it
             paths.add(e.path)
             inos.add(e.ino)
-        return picks
+        return picks, alongside
 
     def _schedule(self) -> float:
         """Start stages that are due; return how long to sleep at most.  Called after every
