@@ -21,6 +21,11 @@ is reported whole only when every chunk is present: a copy is never taken for th
 generation before it is.  Which chunks are present is kept in memory; after a restart a
 partial file is fetched again.
 
+A chunk's bytes count in the cache's use (``CacheDir.filled``) from the moment room is made
+for it, before its fetch: chunks fetched but not yet written (up to WRITE_BEHIND of them) are
+room taken, so the cache never fills past its limit behind the accounting's back.  A chunk
+that fails, or is left out of the copy, is taken off again.
+
 Lock: ``ReadThrough._lock`` (a Condition) guards every _Fill and the memory accounting;
 nothing blocking (a fetch, a pwrite, a pread) runs under it.
 """
@@ -242,9 +247,12 @@ class ReadThrough:
               gen: int = 0, reader=None, behind: bool = False) -> None:
         off = c * self.chunk
         n = min(self.chunk, size - off)
+        held = False           # n bytes counted in the cache's use (see _held)
         try:
             if self.cache is not None:
                 self.cache.make_room(n)
+                self.cache.filled(ino, gen, n)
+                held = True
             data = b""
             for attempt in range(3):       # a rename may move the object under us
                 try:
@@ -261,18 +269,20 @@ class ReadThrough:
                 raise UnderStoreError(f"short read of {upath()} at {off}: {len(data)} of {n} bytes "
                                       "(changed in the under-storage?)", retryable=False)
             if behind:
+                held = False               # the write-behind's now (or let go if left out)
                 self._hand_over(fill, fd, c, off, data, ino, gen, ev)
                 fd = -1                    # the write-behind closes it
                 return
             self._write(fd, off, data)
-            if self.cache is not None:
-                self.cache.filled(ino, gen, n)
+            held = False
             with self._lock:
                 fill.present.add(c)
                 fill.errors.pop(c, None)
         except Exception as e:
             with self._lock:
                 fill.errors[c] = e
+            if held:
+                self.cache.filled(ino, gen, -n)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -309,6 +319,8 @@ class ReadThrough:
         if not queue:
             with self._lock:
                 self.copy_skipped += n
+            if self.cache is not None:
+                self.cache.filled(ino, gen, -n)      # counted when its fetch began
             os.close(fd)
             return
         with self._lock:
@@ -337,12 +349,12 @@ class ReadThrough:
             ok = False
             try:
                 self._write(fd, off, data)
-                if self.cache is not None:
-                    self.cache.filled(ino, gen, len(data))
                 ok = True
             except Exception as e:      # the reader had its bytes; the copy lacks the chunk
                 log.warning("read-through: writing chunk %d of inode %d to its copy: %s",
                             c, ino, e)
+                if self.cache is not None:
+                    self.cache.filled(ino, gen, -len(data))
             finally:
                 os.close(fd)
                 with self._lock:

@@ -156,3 +156,56 @@ def test_read_of_an_unreachable_source_is_eio(copy):
         assert bytes(got) == b"y" * 10
     finally:
         rt.pool.shutdown()
+
+
+def test_chunks_not_yet_written_count_in_the_cache_limit(tmp_path):
+    """A chunk takes room from the moment its fetch starts: while the write-behind lags,
+    read-through evicts clean files for the chunks it holds, and the cache's use never
+    runs past its limit by more than the chunks being fetched."""
+    from acache.data.cache import CacheDir
+    cache = CacheDir(str(tmp_path / "cache"), 4 * CHUNK, 5)
+    evicted = []
+
+    def evict(ino, gen):
+        evicted.append(ino)
+        cache.remove(ino, gen)
+        return True
+    cache.evict_hook = evict
+    for ino in (10, 11):                   # two clean files fill the cache
+        with open(cache.path(ino, 1), "wb") as f:
+            f.write(os.urandom(2 * CHUNK))
+        cache.note(ino, 1, dirty=False)
+    assert cache.used() >= 4 * CHUNK
+    data = os.urandom(8 * CHUNK)
+    fd = os.open(cache.path(1, 1), os.O_RDWR | os.O_CREAT, 0o600)
+    gate = threading.Event()
+    rt = ReadThrough(None, CHUNK, cache=cache)
+    plain_write = rt._write
+    peak = []
+
+    def slow_write(fd, off, buf):          # the copy's disk lags: nothing written yet
+        gate.wait(10)
+        plain_write(fd, off, buf)
+        peak.append(cache.used())
+    rt._write = slow_write                 # type: ignore[method-assign]
+    try:
+        reader = lambda off, n: data[off:off + n]   # noqa: E731
+        got, _ = rt.read(1, 1, fd, lambda: "f", len(data), 0, CHUNK, reader=reader)
+        assert bytes(got) == data[:CHUNK]
+        _poll(lambda: not rt._fills[(1, 1)].loading)
+        held = 1 + readthrough.READAHEAD          # chunks fetched, in memory, unwritten
+        assert os.fstat(fd).st_size == 0
+        assert cache.used() == held * CHUNK, "fetched chunks not counted before their write"
+        assert sorted(evicted) == [10, 11], "no room was made for the fetched chunks"
+        gate.set()
+        for off in range(CHUNK, len(data), CHUNK):
+            got, _ = rt.read(1, 1, fd, lambda: "f", len(data), off, CHUNK, reader=reader)
+            assert bytes(got) == data[off:off + CHUNK]
+        _poll(lambda: not rt._backlog)
+        assert os.pread(fd, len(data) + 1, 0) == data
+        assert cache.used() == len(data)           # counted once, not again when written
+        assert max(peak) <= len(data)
+    finally:
+        gate.set()
+        rt.pool.shutdown()
+        os.close(fd)
