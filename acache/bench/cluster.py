@@ -72,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rates", default="none,2gbit",
                     help="links of the read case: none (the bare veth) and/or tc rates")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--engine", default="pyfuse3", choices=["pyfuse3", "native"])
+    ap.add_argument("--engine", default="native", choices=["pyfuse3", "native"],
+                    help="the mounts' engine (default native: what `acache mount` uses)")
     ap.add_argument("--profile", type=Path, default=None, help="py-spy raw profiles to this directory")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: /var/tmp)")
@@ -177,6 +178,14 @@ def read_through(path: Path, size: int) -> float:
     if got != size:
         raise RuntimeError(f"read {got} bytes of {path}, expected {size}")
     return dt
+
+
+def read_ahead_kib(mnt: Path) -> str:
+    dev = os.stat(mnt).st_dev
+    try:
+        return Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def closes(d: Path, n: int) -> float:
@@ -328,7 +337,12 @@ def case_read(c: Cluster, src: Path, rows: list, log) -> None:
                         dt = hosts.run_in(1, plain_copy, plain_addr, a.big,
                                           str(c.root / "b" / "plain-copy"), timeout=3600)
                     else:
+                        skipped = B.status().get("read_copy_skipped_bytes", 0)
                         dt = c.spy.run(f"read-{rate}-{rep}", read_through, B.mnt / name, a.big)
+                        skipped = B.status().get("read_copy_skipped_bytes", 0) - skipped
+                        log(f"read {rate} rep {rep + 1}: B's copy left out {skipped / MiB:.0f} MiB "
+                            f"(written behind: {(a.big - skipped) / MiB:.0f} MiB); B's mount "
+                            f"read-ahead {read_ahead_kib(B.mnt)} KiB")
                     t[what].append(dt)
                     log(f"read {rate} rep {rep + 1}: {what:6} {a.big / MiB / dt:8.0f} MiB/s")
                 (A.mnt / name).unlink()

@@ -5,9 +5,11 @@ request over the peer transport elsewhere.  Bytes never do: a file opened for wr
 a generation of its own on this node (the head hands out the number), written in this
 node's cache directory at disk speed; close() asks the head to journal it, fsync() makes it
 durable here and records its size at the head.  Reading a file comes from this node's cache
-if it holds that generation, else from the holder's cache over the peer transport (read into
-a local copy chunk by chunk, with read-ahead: acache.data.readthrough), or from the
-under-storage once it is persisted and no cache holds it any more.
+if it holds that generation, else from the holder's cache over the peer transport (fetched
+chunk by chunk with read-ahead and served from the fetched chunk in memory, while a local copy
+is written behind: acache.data.readthrough; the copy may leave chunks out rather than hold a
+reader to this disk's speed, and counts as whole only once every chunk is written), or from
+the under-storage once it is persisted and no cache holds it any more.
 
 Consistency across nodes is close-to-open: a file closed on A reads whole on B from an open
 that starts after the close returned (the open asks the head which generation is current);
@@ -68,7 +70,10 @@ class ClientVFS:
         self.cache, self.under = cache, under
         self.ns = ns                       # ns(op, **args) -> dict (raises FsError)
         self.peer = peer                   # node id -> Conn
-        self.fetch = ReadThrough(under, chunk_size, cache=cache)
+        # lag_ok: a copy here of a file another node holds is a cache for re-reads; a reader
+        # is not held to this disk's write speed to keep it whole (a chunk left out is
+        # fetched again when read again)
+        self.fetch = ReadThrough(under, chunk_size, cache=cache, lag_ok=True)
         self.lock = threading.RLock()
         self._handles: dict[int, _Handle] = {}
         self._fh = 0
@@ -242,7 +247,7 @@ class ClientVFS:
                                   "not answer a moment ago")
                 try:
                     conn = self.peer(holder)
-                    buf = bytearray(n)
+                    buf = self.fetch.buffer(n)
                     got = conn.read_into("data.read", {"ino": ino, "gen": gen, "offset": off,
                                                        "length": n}, memoryview(buf))
                 except PeerUnavailable as e:
@@ -393,21 +398,35 @@ class ClientVFS:
             n = max(0, min(size, h.size - offset))
             return h.reader(offset, n) if n else b""
         if not h.complete and (h.ino, h.gen) not in self._complete:
-            n = max(0, min(size, h.size - offset))
-            if n == 0:
-                return b""
-            if self.fetch.ensure(h.ino, h.gen, h.fd, lambda: f"inode {h.ino}", h.size, offset, n,
-                                 reader=h.reader):
-                with self.lock:
-                    self._complete.add((h.ino, h.gen))
-                h.complete = True
-            size = n
+            got = self._fetched(h, offset, size, True)
+            assert got is not None
+            return got
         return os.pread(h.fd, size, offset)
 
-    def read_fast(self, fh: int, offset: int, size: int) -> bytes | None:
-        h = self._handles.get(fh)
-        if h is None or h.live or not (h.complete or (h.ino, h.gen) in self._complete):
+    def _fetched(self, h: _Handle, offset: int, size: int, wait: bool):
+        """A read of a generation this node is copying: the fetcher serves it (from the
+        chunk just fetched, in memory, while its copy is written behind) and fetches ahead.
+        None (``wait=False``) if that would wait for a fetch."""
+        n = max(0, min(size, h.size - offset))
+        if n == 0:
+            return b""
+        got = self.fetch.read(h.ino, h.gen, h.fd, lambda: f"inode {h.ino}", h.size, offset, n,
+                              reader=h.reader, wait=wait)
+        if got is None:
             return None
+        data, whole = got
+        if whole:
+            with self.lock:
+                self._complete.add((h.ino, h.gen))
+            h.complete = True
+        return data
+
+    def read_fast(self, fh: int, offset: int, size: int):
+        h = self._handles.get(fh)
+        if h is None or h.live:
+            return None
+        if not (h.complete or (h.ino, h.gen) in self._complete):
+            return self._fetched(h, offset, size, False)   # fetched already: no thread hop
         return os.pread(h.fd, size, offset)
 
     def write(self, fh: int, offset: int, data) -> int:

@@ -303,11 +303,12 @@ class CacheDir:
             self._over = False
 
     def filled(self, ino: int, gen: int, nbytes: int) -> None:
-        """Read-through wrote ``nbytes`` more into a clean cache file: account them."""
+        """Read-through takes ``nbytes`` more room in a clean cache file (counted when its
+        fetch begins, before they are written); negative: a chunk that was not written."""
         if not self.exists(ino, gen):   # evicted while the fetch ran
             return
         with self._lock:
-            self._sizes[(ino, gen)] = self._sizes.get((ino, gen), 0) + nbytes
+            self._sizes[(ino, gen)] = max(0, self._sizes.get((ino, gen), 0) + nbytes)
 
     def make_room(self, need: int) -> None:
         """Readers: evict clean data so that ``need`` more bytes fit.  Never waits and

@@ -251,7 +251,10 @@ class FileOps:
             size = max(0, min(size, node.size - offset))
             if size == 0:
                 return b""
-            if self.fetch.ensure(h.ino, h.gen, h.fd, self._upath_fn(h.ino), node.size, offset, size):
+            # served from the fetched chunk (its copy written behind), fetching ahead
+            data, whole = self.fetch.read(h.ino, h.gen, h.fd, self._upath_fn(h.ino), node.size,
+                                          offset, size)
+            if whole:
                 with self.lock:
                     if node.gen == h.gen and not node.cached:
                         node.cached = True
@@ -262,6 +265,7 @@ class FileOps:
                             self.cache.note(h.ino, h.gen, dirty=False)
                         except AcacheError:   # undone (logged): read through again later
                             pass
+            return data
         return os.pread(h.fd, size, offset)
 
     def read_fast(self, fh: int, offset: int, size: int) -> bytes | None:

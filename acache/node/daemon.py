@@ -161,6 +161,7 @@ class Node:
         raise ConfigError(f"unknown engine {want!r} (auto, native, pyfuse3)")
 
     def mount(self, path: str, engine: str = "", placement: str = "") -> dict:
+        from acache.fs.readahead import set_read_ahead
         path = os.path.abspath(path)
         if placement and placement != self.settings.placement:
             raise ConfigError(
@@ -199,6 +200,7 @@ class Node:
             except Exception as e2:
                 raise ConfigError(f"mounting {path} failed: {e2}") from None
         self.engine, self.engine_name, self.engine_why, self.mountpoint = eng, name, why, path
+        set_read_ahead(path)      # READs the daemon serves: several in flight, not one or two
         log.info("mounted %s with the %s engine (%s)%s", path, name, why,
                  ", kernel passthrough on" if eng.passthrough_active else "")
         threading.Thread(target=self._watch_mount, args=(eng,), daemon=True).start()
@@ -395,6 +397,7 @@ class Node:
                "cache_limit_now": c.effective_limit(), "meta_reserve_held": self.reserve.held,
                "stalls": c.stalls, "time": time.time(), "metrics": self.settings.metrics,
                "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
+               "read_copy_skipped_bytes": self.vfs.fetch.copy_skipped,
                "upload_limit": limit.describe(self.limiter.rate()),
                "upload_limit_setting": self.limiter.schedule.text,
                "uploaded_bytes": self.limiter.taken, "fuse_requests": {},
