@@ -235,6 +235,14 @@ class Persister:
                         if job is not None:
                             job.state = "staged"
 
+    def wait_moves(self, timeout: float = 30.0) -> bool:
+        """Wait until no RENAME is being applied: while one is, its objects may be at the
+        new place in the under-storage before the metadata says so (Inode.upath), and a
+        reader of the old place finds nothing.  False if one still is after ``timeout``."""
+        with self.lock:
+            return self.cond.wait_for(lambda: not any(
+                e.op == "rename" for e in self._committing.values()), timeout)
+
     def _commit(self, e: Entry, job: Job | None) -> None:
         try:
             self._apply(e, job)

@@ -35,6 +35,7 @@ import collections
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from acache.data.under.base import UnderStore
@@ -65,6 +66,9 @@ class ReadThrough:
         self.cache = cache         # a CacheDir: room is made and fetched bytes accounted there
         self.chunk = chunk_size
         self.lag_ok = lag_ok
+        # waits for the under-storage and the metadata to agree where files are (the
+        # persister's wait_moves): a fetch that found nothing tries again after it
+        self.settle: Callable[[], object] | None = None
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="acache-fetch")
         self._fills: dict[tuple[int, int], _Fill] = {}
         self._lock = threading.Condition()
@@ -255,16 +259,19 @@ class ReadThrough:
                 held = True
             data = b""
             for attempt in range(3):       # a rename may move the object under us
+                where = upath()
                 try:
                     with self._lock:
                         self.requests += 1
-                    data = reader(off, n) if reader is not None else self.under.read(upath(), off, n)
+                    data = reader(off, n) if reader is not None else self.under.read(where, off, n)
                     with self._lock:
                         self.bytes_read += len(data)
                     break
                 except UnderStoreError:
                     if attempt == 2:
                         raise
+                    if reader is None and self.settle is not None and upath() == where:
+                        self.settle()      # a rename being applied: where it is once done
             if len(data) != n:
                 raise UnderStoreError(f"short read of {upath()} at {off}: {len(data)} of {n} bytes "
                                       "(changed in the under-storage?)", retryable=False)

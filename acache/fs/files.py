@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from acache.errors import AcacheError, FsError
 from acache.meta import journal
 from acache.meta.store import Inode
+
+log = logging.getLogger("acache.vfs")
 
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -52,6 +55,9 @@ class FileOps:
         self._handles: dict[int, Handle] = {}
         self._fh_next = 0
         self._opens: dict[int, int] = {}             # ino -> open handles
+        # ino -> write opens between filling a read-through file whole and their handle:
+        # not evicted meanwhile (else the open would find it uncached and start it empty)
+        self._pins: dict[int, int] = {}
         self._writers: dict[int, set[int]] = {}      # ino -> write handles not yet closed
         self._wopen: dict[int, int] = {}             # ino -> write handles not yet released
         self._wgen: dict[tuple[int, int], set[int]] = {}   # (ino, gen) -> those write handles
@@ -141,15 +147,40 @@ class FileOps:
         node = self._node(ino)
         if node.is_dir:
             raise FsError(errno.EISDIR)
+        pinned = False
         if writable:
             self.cache.wait_for_room()
             if not node.cached and not trunc and node.size:
-                self._fill_whole(node)
+                with self.lock:
+                    self._pins[ino] = self._pins.get(ino, 0) + 1
+                pinned = True
+                try:
+                    self._fill_whole(node)
+                except BaseException:
+                    self._unpin(ino)
+                    raise
+        try:
+            return self._open_locked(ino, writable, trunc)
+        finally:
+            if pinned:
+                self._unpin(ino)
+
+    def _unpin(self, ino: int) -> None:
+        with self.lock:
+            self._pins[ino] -= 1
+            if not self._pins[ino]:
+                del self._pins[ino]
+
+    def _open_locked(self, ino: int, writable: bool, trunc: bool) -> int:
         with self.lock:
             node = self._node(ino)
             if not writable:
                 self.cache.touch(ino)
                 return self._new_handle(node, False)
+            if not node.cached and not trunc and node.size:
+                # never start a non-empty file over empty: whatever it was, it is an error
+                log.error("open of inode %d for writing: its data is not in the cache", ino)
+                raise FsError(errno.EIO)
             old_gen = node.gen
             txn = self.meta.txn()
             if self._gen_writers(ino, node.gen):

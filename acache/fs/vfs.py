@@ -39,6 +39,7 @@ class VFS(FileOps):
         self.meta, self.cache, self.under, self.persister = meta, cache, under, persister
         self.lock = meta.lock
         self.fetch = ReadThrough(under, chunk_size, cache=cache)
+        self.fetch.settle = getattr(persister, "wait_moves", None)
         self._init_files()
         self._lookups: dict[int, int] = {}
         self._dirs: dict[int, tuple[int, list]] = {}
@@ -540,7 +541,8 @@ class VFS(FileOps):
         with self.lock:
             node = self.meta.get(ino)
             if node is None or node.gen != gen or node.dirty or node.local or self.meta.puts_of(ino) \
-                    or node.upath is None or self.cache.is_open(ino, gen) or self._opens.get(ino):
+                    or node.upath is None or self.cache.is_open(ino, gen) or self._opens.get(ino) \
+                    or self._pins.get(ino):
                 return False
             node.cached = False
             txn = self.meta.txn()
