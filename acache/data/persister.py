@@ -67,6 +67,12 @@ class Persister:
         self.lock = meta.lock
         self.cond = threading.Condition(self.lock)
         self.jobs: dict[int, Job] = {}
+        # the jobs whose stage is running (seq -> job) and how many of them each cache file
+        # (ino, gen) has: uses() and the count of running stages without a scan of the jobs
+        # (uses() is asked at every unlink and cache gc).  Kept exact by _add_job, _pop_job
+        # and _stage_ended, the only places a job joins, leaves or stops staging.
+        self._staging: dict[int, Job] = {}
+        self._staging_of: dict[tuple[int, int], int] = {}
         self._aborting: dict[int, Job] = {}    # cancelled jobs whose stage is not thrown away yet
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-stage")
         self.concurrency = concurrency
@@ -107,7 +113,7 @@ class Persister:
         return "committing" if job.state == "committing" else "staging"
 
     def abort(self, seq: int) -> None:
-        job = self.jobs.pop(seq, None)
+        job = self._pop_job(seq)
         if job is not None:
             job.aborted = True
             self._aborting[seq] = job
@@ -121,8 +127,34 @@ class Persister:
         self.cond.notify_all()
 
     def uses(self, ino: int, gen: int) -> bool:
-        return any(j.entry.ino == ino and j.entry.gen == gen and not j.done.is_set()
-                   for j in self.jobs.values())
+        """Is a stage of cache file (ino, gen) running (it reads the file)?"""
+        return (ino, gen) in self._staging_of
+
+    # -- the jobs and their index (under the lock) -------------------------------------
+    def _add_job(self, job: Job) -> None:
+        e = job.entry
+        self.jobs[e.seq] = job
+        self._staging[e.seq] = job
+        key = (e.ino, e.gen)
+        self._staging_of[key] = self._staging_of.get(key, 0) + 1
+
+    def _pop_job(self, seq: int) -> Job | None:
+        job = self.jobs.pop(seq, None)
+        if job is not None:
+            self._stage_ended(job)
+        return job
+
+    def _stage_ended(self, job: Job) -> None:
+        e = job.entry
+        if self._staging.get(e.seq) is not job:
+            return
+        del self._staging[e.seq]
+        key = (e.ino, e.gen)
+        n = self._staging_of[key] - 1
+        if n:
+            self._staging_of[key] = n
+        else:
+            del self._staging_of[key]
 
     # -- control ---------------------------------------------------------------------
     def start(self) -> None:
@@ -299,7 +331,7 @@ class Persister:
         if not head:
             return 1.0
         last = head[-1].seq              # the window: staging runs at most this far ahead
-        staging = sum(1 for j in self.jobs.values() if j.state == "staging")
+        staging = len(self._staging)
         if staging >= self.concurrency:
             return 1.0                   # no slot: a stage that ends notifies the loop
         now = self.clock()
@@ -380,7 +412,7 @@ class Persister:
         txn.update_entry(e)
         txn.commit()
         job = Job(e)
-        self.jobs[e.seq] = job
+        self._add_job(job)
         self.pool.submit(self._stage, job)
 
     def _stage(self, job: Job) -> None:
@@ -423,6 +455,7 @@ class Persister:
             job.state = "staged" if job.state == "staging" else job.state
             aborted = job.aborted
             job.done.set()
+            self._stage_ended(job)
             if error is None and not aborted:
                 self._healthy()
             self.cond.notify_all()
@@ -476,7 +509,7 @@ class Persister:
             if job.error is not None:
                 err = job.error
                 with self.lock:
-                    self.jobs.pop(e.seq, None)
+                    self._pop_job(e.seq)
                 if isinstance(err, UnderStoreError):
                     raise err
                 raise UnderStoreError(f"staging {e.path}: {err}", retryable=True)
@@ -623,7 +656,7 @@ class Persister:
     def _done(self, e: Entry) -> None:
         """Entry ``e`` is now in the under-storage (called under the lock)."""
         self._healthy()
-        self.jobs.pop(e.seq, None)
+        self._pop_job(e.seq)
         self._retry_at.pop(e.seq, None)
         self._attempts.pop(e.seq, None)
         self.failed.pop(e.seq, None)
@@ -684,12 +717,12 @@ class Persister:
         staged = None
         with self.lock:
             if self.meta.entry(e.seq) is None:   # cancelled meanwhile: nothing to retry
-                self.jobs.pop(e.seq, None)
+                self._pop_job(e.seq)
                 return
             self._outage = True
             n = self._attempts.get(e.seq, 0) + 1
             self._attempts[e.seq] = n
-            job = self.jobs.pop(e.seq, None)
+            job = self._pop_job(e.seq)
             staged = job.staged if job is not None else None
             self.errors["transient" if err.retryable else "permanent"] += 1
             if err.retryable:
