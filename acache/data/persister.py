@@ -10,7 +10,10 @@ permanent ones are recorded (``status``, ``flush --wait``) and retried slowly,
 and at once when someone asks for a flush.  Nothing is ever dropped.
 
 Threads: one scheduler thread (commits, applies renames/deletes) and a pool of
-stager threads.  All bookkeeping is under the MetaStore lock.
+stager threads; a stage that only reads the cache file (UnderStore.local_stage: an S3
+small file, hashed now and sent by its commit) runs on the scheduler thread between
+commits, as a thread hop would cost more than it.  All bookkeeping is under the
+MetaStore lock.
 """
 from __future__ import annotations
 
@@ -73,6 +76,9 @@ class Persister:
         # and _stage_ended, the only places a job joins, leaves or stops staging.
         self._staging: dict[int, Job] = {}
         self._staging_of: dict[tuple[int, int], int] = {}
+        # stages started by _schedule that only read the cache file (UnderStore.local_stage:
+        # an S3 small file): run by the loop itself, outside the lock, before its commits
+        self._inline: list[Job] = []
         self._aborting: dict[int, Job] = {}    # cancelled jobs whose stage is not thrown away yet
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-stage")
         self.concurrency = concurrency
@@ -230,31 +236,40 @@ class Persister:
             with self.lock:
                 if self._stop:
                     return
+                timeout: float | None = None
                 try:
                     timeout = self._schedule()
                 except AcacheError as e:  # a metadata write failed (logged, undone): again soon
                     self.last_error = f"scheduling uploads: {e}"
-                    self.cond.wait(1.0)
-                    continue
                 except Exception as e:   # a bug: never let the one persister thread die
                     log.exception("scheduling uploads failed (retrying in 1 s)")
                     self.last_error = f"internal error scheduling uploads: {type(e).__name__}: {e}"
-                    self.cond.wait(1.0)
-                    continue
-                picks, alongside = self._pick()
-                if not picks:
-                    self._sleep_until = time.monotonic() + timeout
-                    try:
-                        self.cond.wait(timeout)
-                    finally:
-                        self._sleep_until = None
-                    continue
+                inline, self._inline = self._inline, []    # (started before a failure too)
+                picks: list[tuple[Entry, Job | None]] = []
+                alongside = False
+                if timeout is None:
+                    if not inline:
+                        self.cond.wait(1.0)
+                        continue
+                else:
+                    picks, alongside = self._pick()
+                    if not picks and not inline:
+                        self._sleep_until = time.monotonic() + timeout
+                        try:
+                            self.cond.wait(timeout)
+                        finally:
+                            self._sleep_until = None
+                        continue
                 for e, job in picks:
                     if job is not None:
                         job.state = "committing"
                     elif e.op in ("mkdir", "symlink", "attrs"):
                         e.attrs = self._attrs_of(e.ino)   # as they are now (journal.on_attrs)
                     self._committing[e.seq] = e   # from now on the journal rules may not cancel it
+            for job in inline:               # reads of cache files (local_stage), unlocked
+                self._stage(job)
+            if not picks:
+                continue
             if len(picks) == 1 and not alongside:
                 self._commit(*picks[0])     # nothing may commit alongside it: no thread hop
                 continue
@@ -413,7 +428,10 @@ class Persister:
         txn.commit()
         job = Job(e)
         self._add_job(job)
-        self.pool.submit(self._stage, job)
+        if self.pull is None and self.under.local_stage(e.size):
+            self._inline.append(job)      # no thread hop for a read of the cache file
+        else:
+            self.pool.submit(self._stage, job)
 
     def _stage(self, job: Job) -> None:
         e = job.entry

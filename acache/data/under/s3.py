@@ -490,6 +490,11 @@ class S3Store:
     def _token_path(self, token: str) -> str:
         return self._token_parts(token)[0]
 
+    def local_stage(self, size: int) -> bool:
+        """A small file's stage reads and hashes it, and sends it at commit(); unless a
+        failed cleanup is pending, which the next stage() retries first."""
+        return size < self.multipart_threshold and not self._unclean
+
     def stage(self, path: str, token: str, src_path: str, size: int,
               progress: Callable[[int], None] | None = None,
               attrs: Attrs | None = None,
@@ -510,7 +515,11 @@ class S3Store:
                               meta=attrs_headers(attrs, _stat.S_IFREG),
                               data=data if self._hold(size) else None)
             if progress is not None:
-                progress(size)  # read and hashed; sent (read again) by commit()
+                try:
+                    progress(size)  # read and hashed; sent by commit()
+                except BaseException:
+                    staged.abort()   # gives back what it holds
+                    raise
             return staged
         with self._errors("stage", key):
             return self._stage_multipart(token, key, src_path, size, progress,
