@@ -161,7 +161,8 @@ class Run:
             out = Path("bench-results").absolute() / f"persist-profile-{rep + 1}.json"
             out.parent.mkdir(exist_ok=True)
             spy = subprocess.Popen(["py-spy", "record", "-p", str(self.pid), "-o", str(out),
-                                    "-f", "speedscope", "-r", "200", "--threads"],
+                                    "-f", "speedscope", "-r", "200", "--threads",
+                                    "--nonblocking"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
         cpu0 = cpu_seconds(self.pid)

@@ -10,7 +10,10 @@ permanent ones are recorded (``status``, ``flush --wait``) and retried slowly,
 and at once when someone asks for a flush.  Nothing is ever dropped.
 
 Threads: one scheduler thread (commits, applies renames/deletes) and a pool of
-stager threads.  All bookkeeping is under the MetaStore lock.
+stager threads; a stage that only reads the cache file (UnderStore.local_stage: an S3
+small file, hashed now and sent by its commit) runs on the scheduler thread between
+commits, as a thread hop would cost more than it.  All bookkeeping is under the
+MetaStore lock.
 """
 from __future__ import annotations
 
@@ -67,6 +70,15 @@ class Persister:
         self.lock = meta.lock
         self.cond = threading.Condition(self.lock)
         self.jobs: dict[int, Job] = {}
+        # the jobs whose stage is running (seq -> job) and how many of them each cache file
+        # (ino, gen) has: uses() and the count of running stages without a scan of the jobs
+        # (uses() is asked at every unlink and cache gc).  Kept exact by _add_job, _pop_job
+        # and _stage_ended, the only places a job joins, leaves or stops staging.
+        self._staging: dict[int, Job] = {}
+        self._staging_of: dict[tuple[int, int], int] = {}
+        # stages started by _schedule that only read the cache file (UnderStore.local_stage:
+        # an S3 small file): run by the loop itself, outside the lock, before its commits
+        self._inline: list[Job] = []
         self._aborting: dict[int, Job] = {}    # cancelled jobs whose stage is not thrown away yet
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-stage")
         self.concurrency = concurrency
@@ -107,7 +119,7 @@ class Persister:
         return "committing" if job.state == "committing" else "staging"
 
     def abort(self, seq: int) -> None:
-        job = self.jobs.pop(seq, None)
+        job = self._pop_job(seq)
         if job is not None:
             job.aborted = True
             self._aborting[seq] = job
@@ -121,8 +133,34 @@ class Persister:
         self.cond.notify_all()
 
     def uses(self, ino: int, gen: int) -> bool:
-        return any(j.entry.ino == ino and j.entry.gen == gen and not j.done.is_set()
-                   for j in self.jobs.values())
+        """Is a stage of cache file (ino, gen) running (it reads the file)?"""
+        return (ino, gen) in self._staging_of
+
+    # -- the jobs and their index (under the lock) -------------------------------------
+    def _add_job(self, job: Job) -> None:
+        e = job.entry
+        self.jobs[e.seq] = job
+        self._staging[e.seq] = job
+        key = (e.ino, e.gen)
+        self._staging_of[key] = self._staging_of.get(key, 0) + 1
+
+    def _pop_job(self, seq: int) -> Job | None:
+        job = self.jobs.pop(seq, None)
+        if job is not None:
+            self._stage_ended(job)
+        return job
+
+    def _stage_ended(self, job: Job) -> None:
+        e = job.entry
+        if self._staging.get(e.seq) is not job:
+            return
+        del self._staging[e.seq]
+        key = (e.ino, e.gen)
+        n = self._staging_of[key] - 1
+        if n:
+            self._staging_of[key] = n
+        else:
+            del self._staging_of[key]
 
     # -- control ---------------------------------------------------------------------
     def start(self) -> None:
@@ -198,31 +236,40 @@ class Persister:
             with self.lock:
                 if self._stop:
                     return
+                timeout: float | None = None
                 try:
                     timeout = self._schedule()
                 except AcacheError as e:  # a metadata write failed (logged, undone): again soon
                     self.last_error = f"scheduling uploads: {e}"
-                    self.cond.wait(1.0)
-                    continue
                 except Exception as e:   # a bug: never let the one persister thread die
                     log.exception("scheduling uploads failed (retrying in 1 s)")
                     self.last_error = f"internal error scheduling uploads: {type(e).__name__}: {e}"
-                    self.cond.wait(1.0)
-                    continue
-                picks, alongside = self._pick()
-                if not picks:
-                    self._sleep_until = time.monotonic() + timeout
-                    try:
-                        self.cond.wait(timeout)
-                    finally:
-                        self._sleep_until = None
-                    continue
+                inline, self._inline = self._inline, []    # (started before a failure too)
+                picks: list[tuple[Entry, Job | None]] = []
+                alongside = False
+                if timeout is None:
+                    if not inline:
+                        self.cond.wait(1.0)
+                        continue
+                else:
+                    picks, alongside = self._pick()
+                    if not picks and not inline:
+                        self._sleep_until = time.monotonic() + timeout
+                        try:
+                            self.cond.wait(timeout)
+                        finally:
+                            self._sleep_until = None
+                        continue
                 for e, job in picks:
                     if job is not None:
                         job.state = "committing"
                     elif e.op in ("mkdir", "symlink", "attrs"):
                         e.attrs = self._attrs_of(e.ino)   # as they are now (journal.on_attrs)
                     self._committing[e.seq] = e   # from now on the journal rules may not cancel it
+            for job in inline:               # reads of cache files (local_stage), unlocked
+                self._stage(job)
+            if not picks:
+                continue
             if len(picks) == 1 and not alongside:
                 self._commit(*picks[0])     # nothing may commit alongside it: no thread hop
                 continue
@@ -307,7 +354,7 @@ class Persister:
         if not head:
             return 1.0
         last = head[-1].seq              # the window: staging runs at most this far ahead
-        staging = sum(1 for j in self.jobs.values() if j.state == "staging")
+        staging = len(self._staging)
         if staging >= self.concurrency:
             return 1.0                   # no slot: a stage that ends notifies the loop
         now = self.clock()
@@ -388,8 +435,11 @@ class Persister:
         txn.update_entry(e)
         txn.commit()
         job = Job(e)
-        self.jobs[e.seq] = job
-        self.pool.submit(self._stage, job)
+        self._add_job(job)
+        if self.pull is None and self.under.local_stage(e.size):
+            self._inline.append(job)      # no thread hop for a read of the cache file
+        else:
+            self.pool.submit(self._stage, job)
 
     def _stage(self, job: Job) -> None:
         e = job.entry
@@ -431,6 +481,7 @@ class Persister:
             job.state = "staged" if job.state == "staging" else job.state
             aborted = job.aborted
             job.done.set()
+            self._stage_ended(job)
             if error is None and not aborted:
                 self._healthy()
             self.cond.notify_all()
@@ -484,7 +535,7 @@ class Persister:
             if job.error is not None:
                 err = job.error
                 with self.lock:
-                    self.jobs.pop(e.seq, None)
+                    self._pop_job(e.seq)
                 if isinstance(err, UnderStoreError):
                     raise err
                 raise UnderStoreError(f"staging {e.path}: {err}", retryable=True)
@@ -631,7 +682,7 @@ class Persister:
     def _done(self, e: Entry) -> None:
         """Entry ``e`` is now in the under-storage (called under the lock)."""
         self._healthy()
-        self.jobs.pop(e.seq, None)
+        self._pop_job(e.seq)
         self._retry_at.pop(e.seq, None)
         self._attempts.pop(e.seq, None)
         self.failed.pop(e.seq, None)
@@ -692,12 +743,12 @@ class Persister:
         staged = None
         with self.lock:
             if self.meta.entry(e.seq) is None:   # cancelled meanwhile: nothing to retry
-                self.jobs.pop(e.seq, None)
+                self._pop_job(e.seq)
                 return
             self._outage = True
             n = self._attempts.get(e.seq, 0) + 1
             self._attempts[e.seq] = n
-            job = self.jobs.pop(e.seq, None)
+            job = self._pop_job(e.seq)
             staged = job.staged if job is not None else None
             self.errors["transient" if err.retryable else "permanent"] += 1
             if err.retryable:

@@ -637,17 +637,47 @@ def test_s3_bytes_changed_in_flight_are_caught(s3backend, size):
         store.stage("f", store.new_token("f"), s3backend.src(data), size).commit()
 
 
-def test_s3_small_file_is_read_again_at_commit(s3backend):
-    """A small file's stage keeps its MD5, not its bytes; commit reads the cache file
-    again: gone by then is transient (the persister stages again)."""
+def test_s3_small_file_is_read_again_at_commit_past_the_hold_limit(s3backend):
+    """Past HOLD_BYTES a small file's stage keeps its MD5, not its bytes; commit reads
+    the cache file again: gone by then is transient (the persister stages again)."""
     store = s3backend.open()
+    store.hold_limit = 1500
+    kept = store.stage("k", store.new_token("k"), s3backend.src(b"k" * 1000), 1000)
     src = s3backend.src(b"x" * 1000)
     staged = store.stage("f", store.new_token("f"), src, 1000)
-    assert not hasattr(staged, "_data")
+    assert kept._data is not None and staged._data is None and store._held == 1000
     os.unlink(src)
     with pytest.raises(TransientError):
         staged.commit()
     assert store.stat("f") is None
+    kept.abort()
+    assert store._held == 0
+
+
+def test_s3_small_file_commit_sends_the_bytes_read_at_stage(s3backend):
+    """Within HOLD_BYTES the bytes read at stage() are what commit() sends: the ordered
+    commit, which the next one waits for, reads no file.  What is held is given back
+    at commit, at abort, and when the PutObject fails."""
+    store = s3backend.open()
+    data = os.urandom(1000)
+    src = s3backend.src(data)
+    staged = store.stage("f", store.new_token("f"), src, len(data))
+    assert store._held == len(data)
+    os.unlink(src)
+    staged.commit()
+    assert store.read("f", 0, len(data)) == data and store._held == 0
+    store.stage("g", store.new_token("g"), s3backend.src(data), len(data)).abort()
+    assert store._held == 0
+    put = store.wire.put
+
+    def fail(*a):
+        raise TransientError("injected")
+    store.wire.put = fail
+    staged = store.stage("h", store.new_token("h"), s3backend.src(data), len(data))
+    with pytest.raises(TransientError):
+        staged.commit()
+    assert store._held == 0 and store.stat("h") is None
+    store.wire.put = put
 
 
 @pytest.mark.parametrize("endpoint,creds,want", [

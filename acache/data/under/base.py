@@ -127,6 +127,11 @@ class UnderStore(Protocol):
         ``token`` (durably, before returning; raising stops the stage and undoes it);
         the Staged's token is the last one given."""
 
+    def local_stage(self, size: int) -> bool:
+        """Would ``stage()`` of ``size`` bytes only read the source (no call to the store,
+        nothing written)?  The persister then runs it on its own thread, between commits,
+        instead of handing it to a stager thread and waiting to be told it ended."""
+
     def symlink(self, path: str, target: str, attrs: Attrs | None = None) -> None:
         """Make ``path`` a symbolic link to ``target`` (replacing a file or link there)."""
 

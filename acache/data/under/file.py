@@ -434,6 +434,9 @@ class FileStore:
         name = TMP_PREFIX + uuid.uuid4().hex
         return f"{d}/{name}" if d else name
 
+    def local_stage(self, size: int) -> bool:
+        return False      # a stage copies the bytes into a temp file in the directory
+
     def stage(self, path: str, token: str, src_path: str, size: int,
               progress: Callable[[int], None] | None = None,
               attrs: Attrs | None = None,

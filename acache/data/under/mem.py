@@ -16,6 +16,7 @@ Test knobs (all plain attributes, safe to change at any time):
     faults     callable(op, path) run before every call; raise to fail it
     fail_next(n, exc, ops=...)   the next n calls (of those ops) raise exc
     calls      list of (op, path) of every call made, failed ones included
+    local_stages  what local_stage() answers (default False: stages on stager threads)
 
 ``op`` is one of: check list_dir stat read stage commit abort cleanup rename
 delete mkdir rmdir symlink set_attrs.
@@ -113,6 +114,7 @@ class MemStore:
         self.bandwidth = bandwidth
         self.faults = faults
         self.calls: list[tuple[str, str]] = []
+        self.local_stages = False      # what local_stage() answers
         self._fail: list[list] = []   # [remaining, exc, ops or None]
         self._flock = threading.Lock()
 
@@ -203,6 +205,9 @@ class MemStore:
     def new_token(self, path: str) -> str:
         clean_path(path)
         return f"{uuid.uuid4().hex}\n{path}"
+
+    def local_stage(self, size: int) -> bool:
+        return self.local_stages    # a test knob: stage() is a store call all the same
 
     def stage(self, path: str, token: str, src_path: str, size: int,
               progress: Callable[[int], None] | None = None,

@@ -39,8 +39,11 @@ Directories implied by deeper keys and markers written by other tools are
 listed as directories.  A name that is both a file and a prefix lists as the
 file.  Deleting a path that is a directory deletes nothing.
 
-Uploads: a file smaller than multipart_threshold is hashed at stage() and sent
-by one PutObject (Content-MD5, the returned ETag checked) at commit().
+Uploads: a file smaller than multipart_threshold is read (and hashed) at stage()
+and sent by one PutObject (Content-MD5, the returned ETag checked) at commit(); its
+bytes are kept from stage() to commit() while the store's staged small files hold
+less than HOLD_BYTES together (beyond that commit() reads the cache file again), so
+the ordered commit, which the next waits for, reads no file.
 Larger files: stage() runs CreateMultipartUpload and uploads parts in parallel
 (each with Content-MD5, and its returned ETag checked against the MD5 sent);
 commit() is CompleteMultipartUpload (its ETag checked: the MD5 of the parts'
@@ -105,6 +108,7 @@ MiB = 1 << 20
 MIN_PART = 5 * MiB
 MAX_PARTS = 10_000
 MAX_KEY = 1024           # bytes of an S3 key
+HOLD_BYTES = 64 * MiB    # small files' bytes kept in memory from stage() to commit()
 
 # -- the error table -------------------------------------------------------------
 _HINTS = {
@@ -350,6 +354,8 @@ class S3Store:
         # recorded ids are aborted (an unrecorded one is left to a lifecycle rule).
         self.exclusive = True
         self._take: Callable[[int], None] | None = None    # the bandwidth limit
+        self.hold_limit = HOLD_BYTES     # staged small files' bytes kept for commit()
+        self._held = 0                   # bytes kept now (under _lock)
 
     # -- helpers -------------------------------------------------------------
     def _key(self, path: str) -> str:
@@ -484,6 +490,11 @@ class S3Store:
     def _token_path(self, token: str) -> str:
         return self._token_parts(token)[0]
 
+    def local_stage(self, size: int) -> bool:
+        """A small file's stage reads and hashes it, and sends it at commit(); unless a
+        failed cleanup is pending, which the next stage() retries first."""
+        return size < self.multipart_threshold and not self._unclean
+
     def stage(self, path: str, token: str, src_path: str, size: int,
               progress: Callable[[int], None] | None = None,
               attrs: Attrs | None = None,
@@ -501,9 +512,14 @@ class S3Store:
             data = _read_source(src_path, size, f"s3 stage {key}")
             staged = S3Staged(self, token, key, size, src_path=src_path,
                               md5=_md5(data) if self.content_md5 else None,
-                              meta=attrs_headers(attrs, _stat.S_IFREG))
+                              meta=attrs_headers(attrs, _stat.S_IFREG),
+                              data=data if self._hold(size) else None)
             if progress is not None:
-                progress(size)  # read and hashed; sent (read again) by commit()
+                try:
+                    progress(size)  # read and hashed; sent by commit()
+                except BaseException:
+                    staged.abort()   # gives back what it holds
+                    raise
             return staged
         with self._errors("stage", key):
             return self._stage_multipart(token, key, src_path, size, progress,
@@ -578,6 +594,14 @@ class S3Store:
                 f"not the MD5 {md5_hex} of the bytes sent (server-side encryption "
                 "with KMS is not supported)")
         return number, etag, length
+
+    def _hold(self, size: int) -> bool:
+        """May a staged small file keep ``size`` bytes in memory until its commit?"""
+        with self._lock:
+            if self._held + size > self.hold_limit:
+                return False
+            self._held += size
+            return True
 
     # In-flight multipart stages of this instance: token -> (key, upload id or None
     # while CreateMultipartUpload is under way).  cleanup() never aborts these.
@@ -766,16 +790,17 @@ def _read_source(path: str, size: int, what: str, commit: bool = False) -> bytes
 
 
 class S3Staged:
-    """Staged bytes: a small file hashed (its MD5, not its bytes, is kept: the
-    cache file of a pending PUT does not change, and commit() reads it again for
-    the PutObject), or a multipart upload with every part sent and checked.
+    """Staged bytes: a small file read and hashed (its bytes kept for the PutObject
+    while the store's HOLD_BYTES allow, else read again from the cache file by
+    commit(): the cache file of a pending PUT does not change), or a multipart
+    upload with every part sent and checked.
     commit() checks the object's ETag: the MD5 of the bytes (PutObject), or the
     MD5 of the parts' MD5s and their count."""
 
     def __init__(self, store: S3Store, token: str, key: str, size: int, *,
                  src_path: str | None = None, md5: tuple[str, str] | None = None,
                  upload_id: str | None = None, parts: list[tuple[int, str]] | None = None,
-                 meta: dict | None = None):
+                 meta: dict | None = None, data: bytes | None = None):
         self.token = token
         self.key = key
         self.size = size
@@ -787,6 +812,14 @@ class S3Staged:
         self._meta = meta or {}
         self._done = False
         self._aborted = False
+        self._data = data        # held in the store's HOLD_BYTES until commit or abort
+
+    def _drop_data(self) -> None:
+        s = self._store
+        with s._lock:       # once, whoever gets here first (commit, abort)
+            if self._data is not None:
+                self._data = None
+                s._held -= self.size
 
     def _multipart_etag(self) -> str:
         digest = hashlib.md5(b"".join(bytes.fromhex(e) for _, e in self._parts),
@@ -801,11 +834,16 @@ class S3Staged:
             if self.upload_id is None:
                 if self._aborted:
                     raise PermanentError(f"commit of s3://{s.bucket}/{self.key} after abort")
-                # (changed since stage(): the server rejects the Content-MD5, BadDigest)
-                data = _read_source(self._src, self.size, f"s3 commit {self.key}", commit=True)
+                data = self._data
+                if data is None:   # (changed since stage(): the server rejects the
+                    data = _read_source(self._src, self.size,     # Content-MD5, BadDigest)
+                                        f"s3 commit {self.key}", commit=True)
                 if s._take is not None:
                     s._take(len(data))
-                etag, want = s.wire.put(self.key, data, self._md5, self._meta), self._md5_hex
+                try:
+                    etag, want = s.wire.put(self.key, data, self._md5, self._meta), self._md5_hex
+                finally:   # sent or failed: a retry reads the cache file (the persister
+                    self._drop_data()    # stages a failed entry again anyway)
             else:
                 want = self._multipart_etag()   # from the parts' ETags
                 try:
@@ -827,6 +865,7 @@ class S3Staged:
     def abort(self) -> None:
         s = self._store
         self._aborted = True
+        self._drop_data()
         if self.upload_id is not None and not self._done:
             with s._errors("abort", self.key):
                 s.wire.abort(self.key, self.upload_id)
