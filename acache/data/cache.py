@@ -90,16 +90,24 @@ class CacheDir:
         return os.path.join(self.dir, f"{ino:x}.{gen}")
 
     # -- file descriptors shared by every open of one generation --------------------
-    def acquire(self, ino: int, gen: int, create: bool = False, write: bool = False) -> int:
+    def acquire(self, ino: int, gen: int, create: bool = False, write: bool = False,
+                empty: bool = False) -> int:
         """The shared fd of a generation; ``write``: for a write open (its growth is
-        monitored until the matching ``release(write=True)``)."""
+        monitored until the matching ``release(write=True)``); ``empty``: a new generation,
+        created empty (what ``create_empty`` does, in the same open)."""
         key = (ino, gen)
         with self._lock:
             if key in self._fds:
                 self._fds[key][1] += 1
                 fd = self._fds[key][0]
+                if empty:
+                    os.ftruncate(fd, 0)
             else:
-                flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+                flags = os.O_RDWR | os.O_CLOEXEC
+                if create or empty:
+                    flags |= os.O_CREAT
+                if empty:
+                    flags |= os.O_TRUNC
                 fd = os.open(self.path(ino, gen), flags, 0o600)
                 self._fds[key] = [fd, 1]
                 self.lru.pop(ino, None)

@@ -86,8 +86,11 @@ class FileOps:
             raise FsError(errno.EBADF)
         return h
 
-    def _new_handle(self, node: Inode, writable: bool) -> int:
-        fd = self.cache.acquire(node.ino, node.gen, create=True, write=writable)
+    def _new_handle(self, node: Inode, writable: bool, fd: int | None = None) -> int:
+        """A handle of ``node``; ``fd``: its generation's shared fd, already acquired
+        for this handle (a create's)."""
+        if fd is None:
+            fd = self.cache.acquire(node.ino, node.gen, create=True, write=writable)
         self._fh_next += 1
         h = Handle(self._fh_next, node.ino, node.gen, fd, writable)
         self._handles[h.fh] = h
@@ -128,16 +131,19 @@ class FileOps:
             node = self.meta.new_inode(txn, mode=0o100000 | mode, uid=ctx.uid, gid=gid,
                                        atime_ns=now, mtime_ns=now, ctime_ns=now, parent=parent,
                                        name=name, dirty=True, cached=True)
-            self.cache.create_empty(node.ino, 0)
+            # the cache file is created by the open its handle keeps (one open, not two)
+            fd = self.cache.acquire(node.ino, 0, write=True, empty=True)
             txn.link(parent, name, node.ino)
             self._touch_dir(txn, p)
             try:
                 txn.commit()
-            except AcacheError:
-                self.cache.remove(node.ino, 0)     # the failed create leaves nothing behind
+            except BaseException as e:
+                self.cache.release(node.ino, 0, write=True)
+                if isinstance(e, AcacheError):     # the failed create leaves nothing behind
+                    self.cache.remove(node.ino, 0)
                 raise
             self.cache.note(node.ino, 0, dirty=True, size=0)
-            fh = self._new_handle(node, True)
+            fh = self._new_handle(node, True, fd)
             self._lookups[node.ino] = self._lookups.get(node.ino, 0) + 1
             return fh, self.attr(node)
 
