@@ -251,7 +251,7 @@ class ReadThrough:
               gen: int = 0, reader=None, behind: bool = False) -> None:
         off = c * self.chunk
         n = min(self.chunk, size - off)
-        held = False           # n bytes counted in the cache's use (see _held)
+        held = False           # n bytes counted in the cache's use, not yet written
         try:
             if self.cache is not None:
                 self.cache.make_room(n)
@@ -289,7 +289,7 @@ class ReadThrough:
             with self._lock:
                 fill.errors[c] = e
             if held:
-                self.cache.filled(ino, gen, -n)
+                self._not_written(ino, gen, n)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -297,6 +297,11 @@ class ReadThrough:
                 if fill.loading.get(c) is ev:
                     fill.loading.pop(c, None)
             ev.set()
+
+    def _not_written(self, ino: int, gen: int, n: int) -> None:
+        """A chunk counted in the cache's use when its fetch began is not in the copy."""
+        if self.cache is not None:
+            self.cache.filled(ino, gen, -n)
 
     @staticmethod
     def _write(fd: int, off: int, data) -> None:
@@ -326,8 +331,7 @@ class ReadThrough:
         if not queue:
             with self._lock:
                 self.copy_skipped += n
-            if self.cache is not None:
-                self.cache.filled(ino, gen, -n)      # counted when its fetch began
+            self._not_written(ino, gen, n)
             os.close(fd)
             return
         with self._lock:
@@ -360,8 +364,7 @@ class ReadThrough:
             except Exception as e:      # the reader had its bytes; the copy lacks the chunk
                 log.warning("read-through: writing chunk %d of inode %d to its copy: %s",
                             c, ino, e)
-                if self.cache is not None:
-                    self.cache.filled(ino, gen, -len(data))
+                self._not_written(ino, gen, len(data))
             finally:
                 os.close(fd)
                 with self._lock:

@@ -154,28 +154,21 @@ class FileOps:
         if node.is_dir:
             raise FsError(errno.EISDIR)
         pinned = False
-        if writable:
-            self.cache.wait_for_room()
-            if not node.cached and not trunc and node.size:
-                with self.lock:
-                    self._pins[ino] = self._pins.get(ino, 0) + 1
-                pinned = True
-                try:
-                    self._fill_whole(node)
-                except BaseException:
-                    self._unpin(ino)
-                    raise
         try:
+            if writable:
+                self.cache.wait_for_room()
+                if not node.cached and not trunc and node.size:
+                    with self.lock:
+                        self._pins[ino] = self._pins.get(ino, 0) + 1
+                    pinned = True
+                    self._fill_whole(node)
             return self._open_locked(ino, writable, trunc)
         finally:
             if pinned:
-                self._unpin(ino)
-
-    def _unpin(self, ino: int) -> None:
-        with self.lock:
-            self._pins[ino] -= 1
-            if not self._pins[ino]:
-                del self._pins[ino]
+                with self.lock:
+                    self._pins[ino] -= 1
+                    if not self._pins[ino]:
+                        del self._pins[ino]
 
     def _open_locked(self, ino: int, writable: bool, trunc: bool) -> int:
         with self.lock:
