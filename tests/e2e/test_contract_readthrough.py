@@ -101,3 +101,24 @@ def test_dcp_like_random_reads_few_ufs_requests(make_node):
     # the whole file is cached now: a full read costs nothing more
     assert (n.mnt / "ckpt" / "__0_0.distcp").read_bytes() == data
     assert n.status()["ufs_reads"] - before == reads
+
+
+def test_unlinked_while_open_reads_whole_after_the_delete_lands(make_node):
+    """POSIX: an open file stays readable after unlink.  A file only in the under-storage,
+    opened and barely read, unlinked, the delete persisted (`flush --wait`): the rest of
+    it still reads back exactly through the open descriptor."""
+    n = make_node(start=False, flush_delay=0.05)
+    data = pattern((20 << 20) + 11, 21)              # several chunks, none fetched yet
+    n.ufs_dir.mkdir(parents=True, exist_ok=True)
+    (n.ufs_dir / "big").write_bytes(data)
+    n.start()
+    fd = os.open(n.mnt / "big", os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == data[:4096]
+        os.unlink(n.mnt / "big")
+        n.flush()
+        assert not (n.ufs_dir / "big").exists()      # the delete landed
+        got = b"".join(os.pread(fd, 1 << 20, off) for off in range(0, len(data), 1 << 20))
+        assert got == data
+    finally:
+        os.close(fd)
