@@ -365,7 +365,9 @@ def node_table(st: dict) -> Table:
             t.add_row(f"  {n['id']}", f"{n['address']} {state}"
                       + (" head" if n.get("head") else "")
                       + (f", {held} files / {_human(n.get('held_bytes', 0))} unpersisted"
-                         if held else "") + f", transport {n['transport']}")
+                         if held else "")
+                      + (f", writing {n['placed_open']} files of cacheless clients"
+                         if n.get("placed_open") else "") + f", transport {n['transport']}")
     if st.get("lost_found_files"):
         t.add_row("lost+found", f"[red]{st['lost_found_files']} files, "
                   f"{_human(st['lost_found_bytes'])} in {st['lost_found_dir']}[/] (cache files "

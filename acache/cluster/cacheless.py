@@ -258,17 +258,28 @@ class CachelessVFS(ClientVFS):
         if not h.writable or h.writing is None:
             raise FsError(errno.EBADF)
         if h.closed:
-            # a FLUSH came from a close(2) of a copy of the fd (a fork + exec of the
-            # writing process closes its child's copy) and the file is written on: it
-            # is open again, and the next FLUSH closes it again with what came since
-            with self.lock:
-                h.closed = False
-                h.writing.active.add(fh)
+            self._written_after_close(h)
         wr = h.writing.writer
         if h.append:          # O_APPEND: at the end of what this session wrote
             with self._ino_lock(h.ino):
                 return wr.write(wr.size, data)
         return wr.write(offset, data)
+
+    def _written_after_close(self, h: _CHandle) -> None:
+        """A FLUSH came from a close(2) of a copy of the fd (a fork of the writing process
+        closes its child's copies; a dup) and the file is written on: it is open again, and
+        the next FLUSH closes it again with what came since.  The head must know (as for a
+        node with a cache, ClientVFS._written_after_close): it cancels the PUT that FLUSH
+        journaled and marks the file dirty again.  Otherwise that PUT of the size at the
+        fork lands as the file's content, and if the worker then dies, what an fsync
+        acknowledged after it is never published (the worker's restart finds the file clean)."""
+        with self.lock:
+            if not h.closed:
+                return
+            h.closed = False
+            if h.writing is not None:
+                h.writing.active.add(h.fh)
+        self.ns("reopen", ino=h.ino, gen=h.gen)
 
     def write_fast(self, fh: int, offset: int, data):
         return None
@@ -279,7 +290,10 @@ class CachelessVFS(ClientVFS):
     def _truncate(self, ino: int, fh, size: int) -> None:
         with self.lock:
             w = self._rw.get(ino)
+            h = self._handles.get(fh) if fh is not None else None
         if w is not None:
+            if h is not None and h.writable and h.closed:
+                self._written_after_close(h)
             w.writer.truncate(size)
             return
         fh = self.open(ino, os.O_WRONLY | (os.O_TRUNC if size == 0 else 0))

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 from dataclasses import asdict
-from typing import Callable
+from typing import Callable, Mapping
 
 from acache.data.persister import Persister
 from acache.errors import AcacheError, FsError
@@ -66,6 +66,10 @@ class HeadVFS(VFS):
         self.pinned: dict[tuple[int, int], int] = {}   # old gens a writer copies from
         self._holder_of: dict[tuple[int, int], str] = {}   # superseded gens still held
         self._wopen = self.writers       # what the barrier (Node._flush_wait) waits for
+        # the write sessions of cacheless writers, by inode: the worker each was placed on,
+        # and per worker how many are open (what bounds the next placement: placement.bounded)
+        self.placed: dict[int, str] = {}
+        self.placed_load: dict[str, int] = {}
 
     def journal_unjournaled(self) -> list[int]:
         return []                        # a close is journaled by the head or fails (EIO)
@@ -127,16 +131,32 @@ class HeadVFS(VFS):
                         ino, node, w[0])
             raise FsError(errno.EBUSY)
 
+    def _placed_on(self, ino: int, worker: str) -> None:
+        """A cacheless writer's write session of ``ino`` started on ``worker`` (lock held)."""
+        self._unplace(ino)
+        self.placed[ino] = worker
+        self.placed_load[worker] = self.placed_load.get(worker, 0) + 1
+
+    def _unplace(self, ino: int) -> None:
+        """The write session of ``ino`` ended (lock held); nothing if it was not placed."""
+        w = self.placed.pop(ino, None)
+        if w is not None:
+            left = self.placed_load.get(w, 0) - 1
+            if left > 0:
+                self.placed_load[w] = left
+            else:
+                self.placed_load.pop(w, None)
+
     def _source(self, node: Inode) -> dict:
         return {"gen": node.gen, "holder": node.node, "cached": node.cached,
                 "upath": node.upath, "size": node.size}
 
     def open_write(self, ino: int, trunc: bool, holder: str,
-                   place: Callable[[int], str] | None = None) -> dict:
+                   place: Callable[[int, Mapping[str, int]], str] | None = None) -> dict:
         """A write session of ``holder`` on the file: always a generation of its own (never
         one a PUT or a reader elsewhere refers to), unless it has one open already.
         ``place``: the writer has no cache (acache.cluster.cacheless): the new generation's
-        holder is ``place(ino)``, a worker, not the writer."""
+        holder is ``place(ino, placed_load)``, a worker, not the writer."""
         with self.lock:
             node = self._node(ino)
             if node.is_dir:
@@ -150,7 +170,7 @@ class HeadVFS(VFS):
                 return {"gen": node.gen, "same": True, "src": None, "holder": node.node,
                         "attr": attr_dict(self.attr(node))}
             src = None if trunc or not node.size else self._source(node)
-            new_holder = place(ino) if place is not None else holder
+            new_holder = place(ino, self.placed_load) if place is not None else holder
             old_gen, old_holder = node.gen, node.node
             txn = self.meta.txn()
             self._holder_of[(ino, old_gen)] = old_holder
@@ -165,6 +185,8 @@ class HeadVFS(VFS):
             txn.save(node)
             txn.commit()
             self.writers[ino] = [holder, 1]
+            if place is not None:
+                self._placed_on(ino, new_holder)
             if src is not None:
                 self.pinned[(ino, old_gen)] = self.pinned.get((ino, old_gen), 0) + 1
             else:
@@ -173,7 +195,8 @@ class HeadVFS(VFS):
                     "attr": attr_dict(self.attr(node))}
 
     def create_file(self, parent: int, name: bytes, mode: int, flags: int, ctx: Ctx,
-                    holder: str, place: Callable[[int], str] | None = None) -> dict:
+                    holder: str, place: Callable[[int, Mapping[str, int]], str] | None = None
+                    ) -> dict:
         self._check_name(name)
         existing = self._child(parent, name)
         if existing is not None:
@@ -196,7 +219,7 @@ class HeadVFS(VFS):
                                        name=name, dirty=True, cached=True, node=holder)
             if place is not None:
                 try:
-                    node.node = place(node.ino)
+                    node.node = place(node.ino, self.placed_load)
                 except FsError as e:             # no live worker: undo the uncommitted inode
                     self.meta.after_failure(e)
                     raise
@@ -204,6 +227,8 @@ class HeadVFS(VFS):
             self._touch_dir(txn, p)
             txn.commit()
             self.writers[node.ino] = [holder, 1]
+            if place is not None:
+                self._placed_on(node.ino, node.node)
             return {"ino": node.ino, "gen": node.gen, "same": False, "src": None,
                     "holder": node.node, "attr": attr_dict(self.attr(node))}
 
@@ -257,6 +282,7 @@ class HeadVFS(VFS):
             if w is None or w[0] != holder:
                 return
             del self.writers[ino]
+            self._unplace(ino)
             self._released.notify_all()
             node = self.meta.get(ino)
         self._settle(ino, gen, node)
@@ -352,6 +378,7 @@ class HeadVFS(VFS):
         with self.lock:
             for ino in [i for i, w in self.writers.items() if w[0] == holder]:
                 del self.writers[ino]
+                self._unplace(ino)
             self._released.notify_all()
             for key in list(self.ropens):
                 self.ropens[key].pop(holder, None)

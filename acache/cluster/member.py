@@ -675,7 +675,9 @@ class _Head:
                     if self._under(fp, rel):
                         files.append({"path": fp, "holder": n.node if n.cached else "",
                                       "size": n.size, "gen": n.gen})
-            out = {"workers": self.placement.workers(), "cached_files": cached_by}
+            # files of cacheless writers open for writing, per worker (what placement evens out)
+            out = {"workers": self.placement.workers(), "cached_files": cached_by,
+                   "placed_open": dict(self.vfs.placed_load)}
             if rel is not None:
                 out["files"] = sorted(files, key=lambda f: f["path"])
             return {**out, "head": self.member.node_id, "queue": len(journal),

@@ -1,7 +1,8 @@
 """Where the head puts a file written by a node without a cache (``placement = "hash"``).
 
     p = Placement(cluster)          # acache.meta.cluster.Cluster; watches membership
-    p.choose(ino)                   # the live worker for this inode: rendezvous hashing
+    p.choose(ino, load)             # the live worker for this inode: rendezvous hashing,
+                                    # bounded by ``load`` (worker -> files open for writing)
     p.workers()                     # the live workers now, by id
     p.close()
 
@@ -13,6 +14,17 @@ inode, not the path, is hashed), and a worker that joins or leaves changes the c
 for the inodes it wins or won (1/n of them): nothing else moves, and new files go to a new
 worker at once.  A file already placed keeps its holder (Inode.node) for as long as its
 generation lives; only a new write session is placed again.
+
+The hash alone spreads files evenly only on average: 18 writers into 3 workers get 6 each in
+expectation, but a given set of inodes may give one worker 4 and another 9, and a checkpoint
+ends when its busiest worker has written its share (and a worker with no file open idles its
+disk).  So the choice has **bounded loads** (consistent hashing with bounded loads, Mirrokni,
+Thorup and Zadimoghaddam 2018): the head counts each worker's placed files open for writing,
+and a new file goes to the first worker *in the inode's rendezvous order* whose count is below
+``ceil((open + 1) / workers)`` -- the hash's first choice whenever that keeps the workers
+even, the next one in the inode's own order when it does not.  A worker whose files take
+longer to write (a slower disk or link) keeps them open longer and so gets fewer new ones.  The
+choice is recorded as the file's holder, so nothing ever needs to recompute it.
 
 Membership is read from etcd: a snapshot, refreshed after any change the watch reports (the
 next ``choose`` reads the members again: one range read per burst of changes), and on every
@@ -26,6 +38,7 @@ import errno
 import hashlib
 import logging
 import threading
+from typing import Mapping
 
 from acache.errors import FsError
 
@@ -42,6 +55,18 @@ def score(node_id: str, ino: int) -> int:
 def rendezvous(ino: int, nodes: list[str]) -> str:
     """The node of ``nodes`` that ``ino`` belongs to (highest score; ties by id)."""
     return max(nodes, key=lambda n: (score(n, ino), n))
+
+
+def bounded(ino: int, nodes: list[str], load: Mapping[str, int]) -> str:
+    """The first of ``nodes`` in ``ino``'s rendezvous order whose ``load`` (files open on it;
+    absent = 0) is below ``ceil((total + 1) / len(nodes))``: the cap a new file may fill.
+    Some node is always below it (the total of all loads is below ``len(nodes)`` times it)."""
+    total = sum(load.get(n, 0) for n in nodes)
+    cap = -(-(total + 1) // len(nodes))
+    for n in sorted(nodes, key=lambda n: (score(n, ino), n), reverse=True):
+        if load.get(n, 0) < cap:
+            return n
+    raise AssertionError("unreachable: some node is below the cap")
 
 
 class Placement:
@@ -77,12 +102,14 @@ class Placement:
                                      if m.alive and WORKER in m.record.capabilities]
         return list(self._workers)
 
-    def choose(self, ino: int) -> str:
+    def choose(self, ino: int, load: Mapping[str, int] | None = None) -> str:
+        """The live worker for a new write session of ``ino``; ``load``: each worker's placed
+        files open for writing now (``bounded``), none = the plain rendezvous choice."""
         nodes = self.workers()
         if not nodes:
             log.error("no live cache worker to place inode %d on: EIO", ino)
             raise FsError(errno.EIO)
-        return rendezvous(ino, nodes)
+        return bounded(ino, nodes, load) if load else rendezvous(ino, nodes)
 
     def close(self) -> None:
         if self._watch is not None:

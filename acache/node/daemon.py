@@ -417,6 +417,7 @@ class Node:
         for n in out["cluster"].get("nodes", []):
             files, size = (h.get("held") or {}).get(n["id"], (0, 0))
             n["held_files"], n["held_bytes"] = files, size
+            n["placed_open"] = (h.get("placed_open") or {}).get(n["id"], 0)
         for k in ("queue", "queue_bytes", "in_flight", "rate", "persisted_bytes",
                   "persisted_files", "last_error", "failed"):
             out[k] = h.get(k, 0 if k != "last_error" else h.get("error", ""))

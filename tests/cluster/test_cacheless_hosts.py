@@ -12,7 +12,6 @@ import time
 
 import pytest
 
-from acache.cluster.placement import rendezvous
 from tests.cacheless_hosts import HostCluster, cache_files
 from tests.cluster_hosts import Hosts, need_hosts
 from tests.e2e.frameworks import UfsWatcher, assert_same_files, run_workload, tree
@@ -48,28 +47,31 @@ def test_checkpoints_land_on_three_workers(tmp_path):
         # watched for a .metadata in the under-storage before the shards it names
         with UfsWatcher(c.ufs_dir) as w:
             run_workload("dcp", cl.mnt / "dcp", timeout=300)
-            # shards of a second checkpoint, then its marker, until every worker holds some
+            # a second checkpoint: 6 shards open at once (6 ranks), then its marker.  Once
+            # the DCP files' sessions have ended, the 6 spread 2 per worker (bounded loads),
+            # whatever the inodes hash to
+            until(lambda: not c.status()["placed_open"], 30, "the DCP files' write sessions ended")
             (cl.mnt / "sh").mkdir()
-            shards, i = {}, 0
-            while i < 6 or {rendezvous(os.stat(cl.mnt / "sh" / k).st_ino, WORKERS)
-                            for k in shards} != set(WORKERS):
-                assert i < 64, "64 inodes never hashed onto all 3 workers"
-                shards[f"shard-{i}"] = os.urandom((2 << 20) + i)
-                with open(cl.mnt / "sh" / f"shard-{i}", "wb") as f:
-                    f.write(shards[f"shard-{i}"])
-                    os.fsync(f.fileno())
-                i += 1
+            shards = {f"shard-{i}": os.urandom((2 << 20) + i) for i in range(6)}
+            opened = {k: open(cl.mnt / "sh" / k, "wb") for k in shards}
+            assert c.status()["placed_open"] == {w: 2 for w in WORKERS}
+            for k, f in opened.items():
+                f.write(shards[k])
+                os.fsync(f.fileno())
+            for f in opened.values():
+                f.close()
             (cl.mnt / "sh" / "_SUCCESS").write_bytes(b"")
             cl.flush(timeout=180)
         assert not w.found, w.found
         assert w.scans > 0
-        # each file's holder is its inode's rendezvous choice, and holds its cache file
+        # every worker holds files, each holder its files' cache files; the shards 2 each
         st = c.status(str(cl.mnt))
         held = {f["path"]: f["holder"] for f in st["files"]}
         assert set(held.values()) == set(WORKERS), held
+        assert sorted(h for p, h in held.items() if p.startswith("sh/shard-")) == \
+            sorted(WORKERS * 2), held
         for path, holder in held.items():
             ino = os.stat(cl.mnt / path).st_ino
-            assert holder == rendezvous(ino, WORKERS), path
             assert ino in cache_files(c.node(holder)), (path, holder)
         assert not cache_files(cl), "the cacheless client has cache files"
         # read-after-write on another host (w2 reads from the holders), and the under-storage
@@ -81,19 +83,15 @@ def test_checkpoints_land_on_three_workers(tmp_path):
             assert (c.ufs_dir / "sh" / k).read_bytes() == v
 
 
-def _open_on(mnt, workers: list[str], want: set[str], prefix: str) -> dict:
-    """Create files until one is placed on each worker of ``want``: worker -> (name, file)."""
-    files: dict = {}
-    for i in range(64):
-        f = open(mnt / f"{prefix}{i}", "wb")
-        holder = rendezvous(os.fstat(f.fileno()).st_ino, workers)
-        if holder in want and holder not in files:
-            files[holder] = (f"{prefix}{i}", f)
-        else:
-            f.close()
-        if set(files) == want:
-            return files
-    raise AssertionError("64 inodes never hashed onto every worker")
+def _open_on(c, mnt, workers: list[str], prefix: str) -> dict:
+    """One file open for writing on each worker: worker -> (name, file).  Files opened
+    together are spread one per worker (placement with bounded loads)."""
+    opened = {f"{prefix}{i}": open(mnt / f"{prefix}{i}", "wb") for i in range(len(workers))}
+    st = c.status(str(mnt))
+    files = {f["holder"]: (f["path"], opened[f["path"]]) for f in st["files"]
+             if f["path"] in opened}
+    assert sorted(files) == sorted(workers), st["files"]
+    return files
 
 
 def test_worker_killed_mid_write(tmp_path):
@@ -107,7 +105,7 @@ def test_worker_killed_mid_write(tmp_path):
         cl = c.clients[0]
         head = c.head()
         victim = next(w for w in c.workers if w.root.name != head)
-        files = _open_on(cl.mnt, WORKERS, set(WORKERS), "f")
+        files = _open_on(c, cl.mnt, WORKERS, "f")
         acked = {}
         for holder, (name, f) in files.items():
             acked[name] = os.urandom(4 << 20)
