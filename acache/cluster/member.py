@@ -49,6 +49,10 @@ class Member:
         self._boot = f"{time.time_ns():x}"
         self._addr: dict[str, str] = {}
         self._lock = threading.Lock()
+        # one campaign at a time: the campaign thread and every namespace call waiting for a
+        # head campaign; two that both saw no head would each build a _Head (two namespace
+        # writers, the second fencing the first's KV off, two persisters)
+        self._campaign_lock = threading.Lock()
         self.head = None                  # a _Head while this node is the head
         self._head_id: str | None = None
         self._stop = threading.Event()
@@ -274,6 +278,10 @@ class Member:
 
     # -- the head role -------------------------------------------------------------------------
     def _campaign_once(self) -> None:
+        with self._campaign_lock:
+            self._campaign_locked()
+
+    def _campaign_locked(self) -> None:
         from acache.meta.etcd import Compare, Put
         if self.head is not None or self._stop.is_set():
             return
@@ -313,9 +321,11 @@ class Member:
                 except MetaError:
                     continue
                 if cur is None or cur.value != self.node_id.encode():
-                    log.error("this node lost the head role (its lease expired): stepping down")
-                    head, self.head = self.head, None
-                    head.close()
+                    with self._campaign_lock:
+                        head, self.head = self.head, None
+                    if head is not None:
+                        log.error("this node lost the head role (its lease expired): stepping down")
+                        head.close()
             else:
                 self._campaign_once()
 
@@ -334,7 +344,8 @@ class Member:
 
     def close(self) -> None:
         self._stop.set()
-        head, self.head = self.head, None
+        with self._campaign_lock:        # a campaign under way finishes first: its head closes here
+            head, self.head = self.head, None
         if head is not None:
             head.close()
             try:

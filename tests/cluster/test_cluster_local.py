@@ -187,6 +187,46 @@ def test_kill9_head_another_takes_over(tmp_path, etcd1):
         assert c.ufs_files() == {"held-by-old-head": held, "before": b"before", "after": b"after"}
 
 
+def test_takeover_under_concurrent_namespace_calls(tmp_path, etcd1):
+    """Several threads on the surviving node call the namespace while the head is gone: each
+    waiting call campaigns for the role as the campaign thread does.  The node must take the
+    role once -- one namespace writer, one persister -- and no call may fail.  (Two
+    campaigns that both saw no head used to build two heads; the second fenced the first's
+    KV off, and a call on the first got EIO.)"""
+    with LocalCluster(tmp_path, etcd1, 2, flush_delay=600) as c:
+        first = c.wait_head()
+        old, new = c.node(first), c.nodes[1 if first == "n1" else 0]
+        for i in range(20):
+            (new.mnt / f"pre{i}").write_bytes(b"p" * 100)
+        old.kill9()
+        errors: list[BaseException] = []
+
+        def work(k: int) -> None:
+            try:
+                for i in range(15):
+                    p = new.mnt / f"t{k}-{i}"
+                    p.write_bytes(b"x" * (k + i))
+                    os.stat(p)
+                    os.rename(p, new.mnt / f"r{k}-{i}")
+            except BaseException as e:          # reported below, with the node's log
+                errors.append(e)
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        log_text = (new.home / "acache.log").read_text()
+        assert not errors, f"{errors[:3]}\n--- log ---\n{new.log_tail(60)}"
+        took = log_text.count(f"this node ({new.root.name}) is the cluster's head now")
+        assert took == 1, f"the head role was taken {took} times\n--- log ---\n{new.log_tail(60)}"
+        names = set(os.listdir(new.mnt))
+        assert {f"r{k}-{i}" for k in range(8) for i in range(15)} <= names
+        old.restart()
+        new.flush(timeout=120)
+        ufs = c.ufs_files()
+        assert all(ufs[f"r{k}-{i}"] == b"x" * (k + i) for k in range(8) for i in range(15))
+
+
 def test_metrics_of_a_member(tmp_path, etcd1):
     from tests.e2e.test_metrics import free_port, scrape
     ports = [free_port(), free_port()]
