@@ -18,7 +18,10 @@ sendfile.  An ``inline`` handler runs on the connection's reader thread (one thr
 less: ~30-40 us of a 4 KiB request here), and the connection reads nothing while it runs.
 
 Client (``TcpConn``, one per peer, shared by threads).  A pool of up to ``streams`` TCP
-connections, opened as requests overlap (a new one when every open one is busy); each is
+connections, opened as requests overlap (a new one when every open one is busy); with two or
+more, one of them is the *control* stream, which carries only requests of at most
+CONTROL_PAYLOAD bytes sent by ``request`` (so a namespace call or an fsync never waits behind
+bulk writes queued in a busy stream's socket buffer), the others the bulk.  Each is
 multiplexed: a reader thread matches replies to waiters by request id and receives a
 read_into payload straight into the caller's buffer.  A stream on which nothing arrived for
 ``timeout`` s while a request waits is declared dead (PeerUnavailable; so a request fails at
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("acache.net")
 
 _TIMEOUTS = (socket.timeout, TimeoutError)
+CONTROL_PAYLOAD = 64 << 10       # a request carrying at most this much goes on the control stream
 
 
 def _tune(sock: socket.socket, bufsize: int, timeout: float) -> None:
@@ -169,6 +173,7 @@ class _Stream:
         self._pending: dict[int, _Pending] = {}
         self._rids = itertools.count(1)
         self.dead: BaseException | None = None
+        self.ctl = False                 # the pool's control stream (TcpConn._pick)
         self.last_rx = self.last_used = time.monotonic()
         self.bytes_in = self.bytes_out = self.requests = 0
         self._reader = threading.Thread(target=self._read_loop, name="acache-peer-rx", daemon=True)
@@ -322,6 +327,7 @@ class TcpConn:
         self.t, self.address = t, address
         self._lock = threading.Lock()
         self._streams: list[_Stream] = [_Stream(t, address)]   # the first at once: errors now
+        self._streams[0].ctl = t.streams >= 2                   # (the control stream)
         self.peer_capabilities = self._streams[0].peer_caps
         idle = self.peer_capabilities.get("idle_timeout")
         self._idle = float(idle) if isinstance(idle, (int, float)) and idle > 0 else t.idle_timeout
@@ -329,7 +335,12 @@ class TcpConn:
         self._opened = 1
         self.path = "tcp"
 
-    def _pick(self) -> _Stream:
+    def _pick(self, bulk: bool) -> _Stream:
+        """The stream for the next request.  With ``streams`` >= 2 the pool keeps one
+        *control* stream for requests that carry no bulk payload either way (namespace calls,
+        write-session opens, fsync, close): they never queue behind megabytes of writes in a
+        bulk stream's socket buffer (which held a cacheless client's next open for seconds
+        on a saturated link).  Bulk requests share the other ``streams - 1``."""
         with self._lock:
             if self._closed:
                 raise PeerUnavailable(f"peer {self.address}: connection closed")
@@ -343,31 +354,43 @@ class TcpConn:
                 else:
                     threading.Thread(target=s.close, daemon=True).start()
             self._streams = keep
-            best = min(keep, key=lambda s: s.inflight, default=None)
-            if best is not None and (best.inflight == 0 or len(keep) >= self.t.streams):
+            lanes = self.t.streams >= 2
+            if lanes and not bulk:
+                ctl = next((s for s in keep if s.ctl), None)
+                if ctl is not None:
+                    return ctl
+                pool, cap = [], 1
+            elif lanes:
+                pool, cap = [s for s in keep if not s.ctl], self.t.streams - 1
+            else:
+                pool, cap = keep, 1
+            best = min(pool, key=lambda s: s.inflight, default=None)
+            if best is not None and (best.inflight == 0 or len(pool) >= cap):
                 return best
             try:
                 s = _Stream(self.t, self.address)
             except PeerUnavailable:
-                if best is None:
+                fallback = best or min(keep, key=lambda s: s.inflight, default=None)
+                if fallback is None:
                     raise
-                return best            # the extra stream is a nicety; use what is open
+                return fallback        # the extra stream is a nicety; use what is open
+            s.ctl = lanes and not bulk
             self._streams.append(s)
             self._opened += 1
             return s
 
     def request(self, op: str, meta: dict, payload: bytes | bytearray | memoryview = b"", *,
                 timeout: float | None = None) -> tuple[dict, bytes | bytearray]:
-        p = self._pick().call(op, meta, payload, None, timeout)
+        p = self._pick(len(payload) > CONTROL_PAYLOAD).call(op, meta, payload, None, timeout)
         return p.meta, p.payload
 
     def read_into(self, op: str, meta: dict, buf: memoryview, *, timeout: float | None = None) -> int:
-        return self._pick().call(op, meta, b"", memoryview(buf).cast("B"), timeout).n
+        return self._pick(True).call(op, meta, b"", memoryview(buf).cast("B"), timeout).n
 
     def fetch_into(self, op: str, meta: dict, buf: memoryview, *,
                    timeout: float | None = None) -> tuple[dict, int]:
         """read_into that also returns the reply's meta (the RDMA transport's control path)."""
-        p = self._pick().call(op, meta, b"", memoryview(buf).cast("B"), timeout)
+        p = self._pick(True).call(op, meta, b"", memoryview(buf).cast("B"), timeout)
         return p.meta, p.n
 
     def stats(self) -> dict:

@@ -332,16 +332,27 @@ def _fake_server(behaviour):
     srv = socket.create_server(("127.0.0.1", 0))
     done = threading.Event()
 
-    def run():
-        s, _ = srv.accept()
-        s.settimeout(10)
-        auth.server_handshake(s, SECRET, {"version": 1, "max_payload": 1 << 30})
-        auth.ready(s)
-        h = wire.parse_header(wire.recv_exact(s, wire.HEADER), wire.Limits(), {wire.REQUEST})
-        wire.recv_exact(s, h.meta_len + h.payload_len)
-        behaviour(s, h.rid)
-        done.wait(30)
-        s.close()
+    def serve(s):
+        try:
+            s.settimeout(10)
+            auth.server_handshake(s, SECRET, {"version": 1, "max_payload": 1 << 30})
+            auth.ready(s)
+            h = wire.parse_header(wire.recv_exact(s, wire.HEADER), wire.Limits(), {wire.REQUEST})
+            wire.recv_exact(s, h.meta_len + h.payload_len)
+            behaviour(s, h.rid)
+            done.wait(30)
+        except OSError:                 # a stream the client opened and closed unused
+            pass
+        finally:
+            s.close()
+
+    def run():                          # every connection (the client's pool may open several)
+        while True:
+            try:
+                s, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(s,), daemon=True).start()
     threading.Thread(target=run, daemon=True).start()
     return f"127.0.0.1:{srv.getsockname()[1]}", done, srv
 
