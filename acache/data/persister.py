@@ -33,6 +33,7 @@ from acache.errors import AcacheError, ConfigError, UnderStoreError
 from acache.meta.store import Entry, MetaStore
 
 log = logging.getLogger("acache.persister")
+RATE_WINDOW = 10.0         # s of history rate() keeps
 WINDOW = 256             # how far past the head staging may run
 
 
@@ -197,6 +198,7 @@ class Persister:
             self.cond.notify_all()
 
     def rate(self, window: float = 10.0) -> float:
+        # (a window over RATE_WINDOW sees only RATE_WINDOW of history: samples are pruned)
         """Bytes per second persisted over the last ``window`` seconds."""
         now = time.monotonic()
         before = 0
@@ -702,7 +704,13 @@ class Persister:
         if e.op == "put":
             self.bytes_done += e.size
             self.files_done += 1
-            self._rate.append((time.monotonic(), self.bytes_done))
+            now = time.monotonic()
+            r = self._rate
+            # samples older than rate()'s window count only as the total when it opened:
+            # the last of them is kept, so rate() reads O(1) samples, not the whole deque
+            while len(r) >= 2 and r[1][0] < now - RATE_WINDOW:
+                r.popleft()
+            r.append((now, self.bytes_done))
             self.gc(e.ino, e.gen)
         self.on_applied(e)
         self.cond.notify_all()

@@ -273,6 +273,7 @@ class Node:
             # the entries to wait for, found once: each tick only drops those that landed
             # (O(what this barrier waits for), not O(journal x jobs))
             want = {e.seq: e for e in meta.journal() if e.touches(rel)}
+            want_bytes = sum(e.size for e in want.values())   # kept as entries come and go
             failing = [s for s in p.failed if s in want]
         p.hurry(target)
         for s in failing:           # permanent errors are retried at once when asked
@@ -285,34 +286,39 @@ class Node:
                 for ino in list(waiting_open):
                     if ino not in self.vfs._wopen or meta.get(ino) is None:
                         waiting_open.discard(ino)
-                        want.update((e.seq, e) for e in meta.puts_of(ino) if e.touches(rel))
+                        for e in meta.puts_of(ino):
+                            if e.touches(rel) and e.seq not in want:
+                                want[e.seq] = e
+                                want_bytes += e.size
                         p.hurry(meta.last_seq())
                 for s in [s for s, e in want.items() if meta.entry(s) is not e]:
-                    del want[s]      # applied or cancelled, or carried on by another entry
-                    n = meta.successor(s)   # (a rename or a new close of what it held):
-                    if n is not None and n.seq not in want:   # the bytes written before
-                        want[n.seq] = n                       # the barrier are in it
+                    want_bytes -= want.pop(s).size   # applied or cancelled, or carried on by
+                    n = meta.successor(s)   # another entry (a rename or a new close of what
+                    if n is not None and n.seq not in want:   # it held): the bytes written
+                        want[n.seq] = n                       # before the barrier are in it
+                        want_bytes += n.size
                         p.hurry(n.seq)
-                pending = sorted(want.values(), key=lambda e: e.seq)
-                failed = [(e, p.failed[e.seq]) for e in pending if e.seq in p.failed]
-                sent = sum(p.jobs[e.seq].sent for e in pending if e.seq in p.jobs)
-                left = sum(e.size for e in pending) - sent
+                # O(failed + running jobs) from here on: this runs under the lock the
+                # persister needs, every FLUSH_SCAN_GAP, while it works through ``want``
+                failed = [(want[s], msg) for s, msg in sorted(p.failed.items()) if s in want]
+                sent = sum(j.sent for s, j in list(p.jobs.items()) if s in want)
+                left = want_bytes - sent
                 if total_bytes is None:
                     total_bytes = left
-                info = {"bytes_left": max(0, left), "files_left": len(pending),
+                info = {"bytes_left": max(0, left), "files_left": len(want),
                         "open_files": len(waiting_open), "total_bytes": total_bytes,
                         "rate": p.rate(), "last_error": p.last_error}
-                if not pending and not waiting_open:
+                if not want and not waiting_open:
                     return {"ok": True, "seconds": time.monotonic() - t0,
                             "lost_found": self.cache.lost_found()[0],
                             "unacknowledged": sum(1 for n in meta.inodes() if n.local
                                                   and self._under(meta.path_of(n.ino), rel))}
                 if failed and time.monotonic() - t0 > 1.0:
                     e, msg = failed[0]
-                    raise FlushError(f"{e.op} {e.path} failed: {msg} ({len(pending)} entries not "
+                    raise FlushError(f"{e.op} {e.path} failed: {msg} ({len(want)} entries not "
                                      "persisted; the data is kept and retried)")
                 if timeout is not None and time.monotonic() - t0 > timeout:
-                    what = f"{len(pending)} journal entries ({max(0, left)} bytes)"
+                    what = f"{len(want)} journal entries ({max(0, left)} bytes)"
                     if waiting_open:
                         what += f" and {len(waiting_open)} files still open for writing"
                     raise FlushError(f"timed out after {timeout:g}s: {what} not yet persisted"
