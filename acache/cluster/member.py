@@ -303,13 +303,18 @@ class Member:
                             [Put(self.head_key, self.node_id.encode(), lease)])
         if mine or res.succeeded:
             try:
-                self.head = _Head(self)
-                self._head_id = self.node_id
-                log.info("this node (%s) is the cluster's head now", self.node_id)
+                head = _Head(self)
             except Exception as e:
                 log.error("taking the head role failed: %s", e)
                 self.client.txn([Compare.value(self.head_key, self.node_id.encode())],
                                 [_delete(self.head_key)])
+                return
+            if self._stop.is_set():      # close() gave up waiting for this campaign
+                head.close()
+                return
+            self.head = head
+            self._head_id = self.node_id
+            log.info("this node (%s) is the cluster's head now", self.node_id)
         else:
             self._head_id = cur.value.decode() if cur is not None else None
 
@@ -344,8 +349,14 @@ class Member:
 
     def close(self) -> None:
         self._stop.set()
-        with self._campaign_lock:        # a campaign under way finishes first: its head closes here
+        # a campaign under way finishes first (its head closes here), unless it hangs on an
+        # unreachable etcd: then it sees _stop and closes the head it built itself
+        got = self._campaign_lock.acquire(timeout=5)
+        try:
             head, self.head = self.head, None
+        finally:
+            if got:
+                self._campaign_lock.release()
         if head is not None:
             head.close()
             try:
