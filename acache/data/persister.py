@@ -197,9 +197,9 @@ class Persister:
                     self._retry_at[s] = 0.0
             self.cond.notify_all()
 
-    def rate(self, window: float = 10.0) -> float:
-        # (a window over RATE_WINDOW sees only RATE_WINDOW of history: samples are pruned)
-        """Bytes per second persisted over the last ``window`` seconds."""
+    def rate(self, window: float = RATE_WINDOW) -> float:
+        """Bytes per second persisted over the last ``window`` seconds (at most RATE_WINDOW:
+        older samples are pruned as commits are counted)."""
         now = time.monotonic()
         before = 0
         for t, b in self._rate:        # the total as it stood when the window opened
