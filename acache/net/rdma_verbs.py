@@ -254,6 +254,10 @@ class Reads:
         self._ids = itertools.count(1)
         self._waiting: dict[int, _Batch] = {}
         self.users = 0
+        # the first failure that put the QP in the error state (a deadline passed, or a
+        # completion failed): the READs flushed by that state report it, not a bare FLUSH_ERR,
+        # whichever thread gets to say it first
+        self.cause: str | None = None
 
     def run(self, pieces: list[tuple[int, int, int, int]], rkey: int, deadline: float) -> None:
         """``pieces``: (local address, lkey, remote address, length).  VerbsError on the first
@@ -291,8 +295,11 @@ class Reads:
                 if not b.left:
                     break
                 if time.monotonic() > deadline:
+                    why = b.error or f"no RDMA completion within {deadline - t0:.3g}s"
+                    with self._lock:
+                        self.cause = self.cause or why
                     self.ep.to_error()
-                    raise VerbsError(b.error or f"no RDMA completion within {deadline - t0:.3g}s")
+                    raise VerbsError(self._rooted(why))
                 if self._poll_lock.acquire(blocking=False):
                     try:
                         got = self._drain()
@@ -307,13 +314,21 @@ class Reads:
                     b.event.wait(0.001)
                     b.event.clear()
             if b.error is not None:
-                raise VerbsError(b.error)
+                raise VerbsError(self._rooted(b.error))
         finally:
             with self._lock:
                 self.users -= 1
                 others = [w for w in self._waiting.values() if w is not b]
             if others:
                 others[0].event.set()          # someone else polls now
+
+    def _rooted(self, why: str) -> str:
+        """A flushed READ's error named by what put the QP in the error state, when we know."""
+        with self._lock:
+            cause = self.cause
+        if why == wc_name(e.IBV_WC_WR_FLUSH_ERR) and cause is not None:
+            return cause
+        return why
 
     def _drain(self) -> int:
         try:
@@ -332,6 +347,8 @@ class Reads:
                 if b is not None:
                     if wc.status != e.IBV_WC_SUCCESS and b.error is None:
                         b.error = wc_name(wc.status)
+                        if wc.status != e.IBV_WC_WR_FLUSH_ERR:
+                            self.cause = self.cause or b.error
                     b.left -= 1
             self._sq.release()
             if b is not None and not b.left:
