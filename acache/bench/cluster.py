@@ -39,6 +39,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -67,7 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--writers", type=int, default=1,
                     help="threads writing persist's files into B's mount (default 1: every close "
                          "returns before the next begins, so each commit waits for the one before; "
-                         "more: the closes overlap, as a checkpoint's ranks do, and commit in parallel)")
+                         "more: several files in flight, but the kernel serializes creates in one "
+                         "directory, so their closes seldom overlap: see --together)")
+    ap.add_argument("--together", action="store_true",
+                    help="persist: the writers are ranks, alternately on A and on B, writing rounds "
+                         "of one file each and closing them at one moment (a DCP step's shards)")
     ap.add_argument("--closes", type=int, default=2000, help="files per closes rep (default 2000)")
     ap.add_argument("--rates", default="none,2gbit",
                     help="links of the read case: none (the bare veth) and/or tc rates")
@@ -358,6 +363,24 @@ def case_read(c: Cluster, src: Path, rows: list, log) -> None:
         p.kill()
 
 
+def write_together(files: list[Path], dirs: list[Path], ranks: int) -> None:
+    """Rank k writes files k, k + ranks, ... into dirs[k % len(dirs)] (one mount per host),
+    one per round, and every rank closes its file of a round at the same moment."""
+    barrier = threading.Barrier(ranks)
+
+    def rank(k: int) -> None:
+        for r in range(-(-len(files) // ranks)):
+            i = r * ranks + k
+            if i >= len(files):
+                barrier.wait(60)             # a short last round: the others still meet
+                continue
+            with open(files[i], "rb") as src, open(dirs[k % len(dirs)] / files[i].name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+                barrier.wait(60)             # then every rank closes its file at once
+    with ThreadPoolExecutor(ranks) as ex:
+        list(ex.map(rank, range(ranks)))
+
+
 def case_persist(c: Cluster, srcs: dict[str, list[Path]], rows: list, log) -> None:
     a, hosts = c.a, c.hosts
     B = c.nodes["b"]
@@ -377,8 +400,11 @@ def case_persist(c: Cluster, srcs: dict[str, list[Path]], rows: list, log) -> No
                 else:
                     d = B.mnt / prefix
                     d.mkdir()
-                    with ThreadPoolExecutor(max(1, a.writers)) as ex:
-                        list(ex.map(lambda f: shutil.copyfile(f, d / f.name), files))
+                    if a.together:
+                        write_together(files, [c.nodes["a"].mnt / prefix, d], max(1, a.writers))
+                    else:
+                        with ThreadPoolExecutor(max(1, a.writers)) as ex:
+                            list(ex.map(lambda f: shutil.copyfile(f, d / f.name), files))
                     os.sync()
                     dt = c.spy.run(f"persist-{prefix}", flush, B)
                     want = (len(files), total)
@@ -391,7 +417,8 @@ def case_persist(c: Cluster, srcs: dict[str, list[Path]], rows: list, log) -> No
                 log(f"persist {label} rep {rep + 1}: {what:6} {total / MiB / dt:8.1f} MiB/s ({dt:.2f} s)")
         desc = (f"persist {len(files):,} x {files[0].stat().st_size // 1024} KiB" if len(files) > 1
                 else f"persist 1 x {total // MiB} MiB")
-        by = f"{a.writers} writers on B" if a.writers > 1 else "written on B"
+        by = (f"{a.writers} ranks on A and B closing together" if a.together
+              else f"{a.writers} writers on B" if a.writers > 1 else "written on B")
         rows.append(row(f"{desc} {by}, close -> flush --wait", "MiB/s", total / MiB, t,
                         "direct minio upload from B", GOALS["persist"]))
 

@@ -22,6 +22,7 @@ holder acknowledged.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from typing import Callable, Mapping
 
 from acache.data.persister import Persister
 from acache.errors import AcacheError, FsError
+from acache.fs.overlap import Overlap
 from acache.fs.types import Ctx
 from acache.fs.vfs import VFS
 from acache.meta import journal
@@ -45,6 +47,41 @@ RELEASE_WAIT = 2.0
 
 def attr_dict(a) -> dict:
     return asdict(a)
+
+
+class CallEdge:
+    """Where every namespace call to the head runs (from other nodes, and the head's own).
+
+    Order.  Which closes a close overlapped is told as on one host (acache.fs.overlap), with
+    the order in which calls reach the head standing in for the kernel's request numbers: if
+    X's close returned on any host before Y's close began there, X's reply left the head before
+    Y's call arrived.  So Y lands after every call that had replied when it arrived, and may
+    commit alongside those still in flight (the ranks' shards of one checkpoint step closing at
+    the same moment on several hosts); without this, every close would wait for all entries
+    journaled before it reached the head, in flight or not.
+
+    Acknowledgement.  The namespace's KV is written behind (store.GroupCommit): a call is
+    answered only once what it changed, or saw, has landed in etcd; MetaError (EIO at the
+    caller) if that failed -- and then it was undone."""
+
+    def __init__(self, meta) -> None:
+        self.meta = meta
+        self.overlap = Overlap()
+        self._arrivals = itertools.count(1)
+
+    def run(self, fn: Callable[..., dict], *args) -> dict:
+        u = next(self._arrivals)
+        self.overlap.seen(u)
+        since = self.meta.mark()
+        try:
+            with self.meta.op(self.overlap.floor(u)):
+                out = fn(*args)
+            self.meta.wait_visible(since)
+        finally:
+            seq = self.meta.journaled()
+            if seq:
+                self.overlap.replied(seq)     # before the reply, even an error's
+        return out
 
 
 class HeadVFS(VFS):
@@ -93,6 +130,11 @@ class HeadVFS(VFS):
             (ino in self.writers and self.meta.get(ino) is not None and self.meta.get(ino).gen == gen)
 
     def gc_gen(self, ino: int, gen: int) -> None:
+        # once what made the generation unneeded has landed in etcd: a failed write restores
+        # the entries that need it (MetaStore.heal), and they must find its bytes
+        self.meta.after_durable(lambda: self._gc_gen(ino, gen))
+
+    def _gc_gen(self, ino: int, gen: int) -> None:
         with self.lock:
             node = self.meta.get(ino)
             if self.meta.gen_pending(ino, gen) or self.persister.uses(ino, gen) \

@@ -21,7 +21,7 @@ import threading
 import time
 
 from acache.cluster.client import ClientVFS
-from acache.cluster.head import HeadVFS, attr_dict
+from acache.cluster.head import CallEdge, HeadVFS, attr_dict
 from acache.errors import AcacheError, FsError, MetaError
 from acache.fs.types import Ctx
 from acache.net.transport import FileRegion, PeerUnavailable, RemoteError, Reply, TransportError
@@ -407,6 +407,7 @@ class _Head:
         self._blocked: tuple[str, float] = ("", 0.0)     # (node, since) for status
         self._done_lock = threading.Lock()
         self._done: OrderedDict = OrderedDict()
+        self.edge = CallEdge(self.meta)
         self._running: dict[str, threading.Event] = {}
         rec = self.vfs.recover()
         if any(rec.values()):
@@ -418,7 +419,7 @@ class _Head:
         try:
             self.persister.stop()
         finally:
-            self.kv.close()
+            self.meta.close()            # what is queued is written, then the KV closed
 
     def _pull(self, e) -> None:
         """Copy the bytes of PUT ``e`` from its holder into this cache (before staging)."""
@@ -450,9 +451,13 @@ class _Head:
         """``rid``: the caller's id of this request; a request sent again (its reply was
         lost: a dropped connection) gets the first answer back instead of running twice
         (a second mkdir would say EEXIST).  Remembered for the last DONE_KEEP requests."""
-        fn = getattr(self, "op_" + op, None)
-        if fn is None:
+        op_fn = getattr(self, "op_" + op, None)
+        if op_fn is None:
             raise FsError(errno.ENOSYS)
+
+        def fn(frm: str, a: dict) -> dict:
+            return self.edge.run(op_fn, frm, a)
+
         if not rid:
             return fn(frm, a)
         with self._done_lock:

@@ -60,6 +60,7 @@ class Job:
     aborted: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     sent: int = 0
+    ticket: int = 0                 # the batch that recorded its stage (MetaStore.wait_ticket)
 
 
 class Persister:
@@ -436,7 +437,7 @@ class Persister:
         e.attrs = self._attrs_of(e.ino)   # later changes: an ATTRS entry (journal.on_attrs)
         txn.update_entry(e)
         txn.commit()
-        job = Job(e)
+        job = Job(e, ticket=txn.ticket)
         self._add_job(job)
         if self.pull is None and self.under.local_stage(e.size):
             self._inline.append(job)      # no thread hop for a read of the cache file
@@ -462,9 +463,12 @@ class Persister:
                 else:        # cancelled meanwhile: its old token is recorded as orphaned
                     txn.orphan_stage(token)
                 txn.commit()
+            self.meta.wait_ticket(txn.ticket)   # recorded, not just queued (GroupCommit)
 
         staged, error = None, None
         try:
+            # no byte under a stage whose record has not landed (a KV written behind)
+            self.meta.wait_ticket(job.ticket)
             if self.pull is not None and e.op == "put":
                 self.pull(e)
                 problem = self._cache_problem(e)

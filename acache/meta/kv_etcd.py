@@ -56,6 +56,8 @@ _OP_OVERHEAD = 16
 
 
 class EtcdKV:
+    group_commit = True     # each write is a round trip: MetaStore writes behind (GroupCommit)
+
     def __init__(self, client: EtcdClient, namespace: bytes | None = None, *,
                  owns_client: bool = False) -> None:
         self.client = client

@@ -29,6 +29,7 @@ counters (next_ino, next_seq) are not rolled back: a gap is harmless, a reused n
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -186,6 +187,7 @@ class Txn:
 
     def __init__(self, store: "MetaStore") -> None:
         self.store = store
+        self.ticket = 0                          # GroupCommit: the batch's, once committed
         self._open = True
         store._begun += 1                        # see MetaStore.after_failure
         self.puts: dict[bytes, bytes] = {}
@@ -228,6 +230,7 @@ class Txn:
         if not getattr(s._op, "told", False):
             s._serial_top = s._next_seq     # an engine's floor (op) never goes below it
         e = Entry(seq=s._next_seq, t=s.clock(), **kw)
+        s._mine.seq = e.seq                 # see journaled()
         s._journal[e.seq] = e
         log.debug("journal +%d %s %s%s (ino %d gen %d, after %d)", e.seq, e.op, e.path,
                   f" -> {e.dst}" if e.dst else "", e.ino, e.gen, e.after)
@@ -279,6 +282,9 @@ class Txn:
         for ino in self.dirty_inodes.values():
             if ino.ino in self.store._inodes:
                 self.puts[K.inode_key(ino.ino)] = ino.pack()
+        if self.store.group is not None:
+            self._commit_grouped(sync)
+            return
         if self.puts or self.deletes or self.store.stale:
             try:
                 if self.store.stale:    # built on memory an earlier failure left ahead of the KV
@@ -297,6 +303,243 @@ class Txn:
         for freed_ino, gen in freed:
             self.store.on_freed(freed_ino, gen)
 
+    def _commit_grouped(self, sync: bool) -> None:
+        """Queue the batch (GroupCommit); ``sync``: and wait until it landed (under the lock:
+        an fsync's record, a recovery's).  ``self.ticket``: what an acknowledgement waits for."""
+        s = self.store
+        g = s.group
+        assert g is not None
+        puts, deletes, dropped, freed, succ = self.puts, self.deletes, self.dropped, self.freed, self.succ
+        self.puts, self.deletes, self.dirty_inodes, self.dropped, self.freed, self.succ = {}, [], {}, [], [], []
+        after = [functools.partial(s.on_freed, ino, gen) for ino, gen in freed]
+        if not (puts or deletes or s.stale or g.broken is not None):
+            for fn in after:
+                if not g.after_durable(fn):
+                    fn()
+            return
+        try:
+            if s.stale:
+                raise MetaError("an earlier metadata write could not be undone yet")
+            self.ticket = g.submit(puts, deletes, dropped, after)
+            if not getattr(s._mine, "first", 0):
+                s._mine.first = self.ticket
+            s._mine.last = self.ticket
+        except MetaError as e:
+            s.heal(e, dropped)
+            raise MetaError(f"metadata write failed: {e}") from None
+        if succ and s.barriers:
+            s._succ.update(succ)
+        if sync:
+            try:
+                g.wait(self.ticket)
+            except MetaError:
+                s.heal(None)
+                raise
+
+
+class _Batch:
+    __slots__ = ("ticket", "puts", "deletes", "dropped", "after")
+
+    def __init__(self, ticket: int, puts: dict, deletes: list, dropped: list, after: list) -> None:
+        self.ticket, self.puts, self.deletes, self.dropped, self.after = ticket, puts, deletes, dropped, after
+
+
+class GroupCommit:
+    """Write-behind of a MetaStore's batches, for a KV whose write is a slow round trip (etcd:
+    a txn waits for the members' WAL fsync, ~1-5 ms, however small).
+
+    Why.  A MetaStore's changes are made under its one lock; writing each batch under that lock
+    too makes the KV's latency the limit of everything (the cluster head's namespace and its
+    persister together made ~200 writes/s).  Here a commit under the lock only queues its batch
+    and gets a *ticket*; one writer thread writes the queue in order, several batches merged
+    into one KV write (a group: all-or-nothing, as one batch is), while the lock is free for the
+    next operations.  Whoever acknowledges something waits for its ticket first, outside the
+    lock (:meth:`wait`): the cluster head before it replies to any namespace call, the persister
+    before it sends a byte under a stage it recorded.
+
+    Memory runs ahead of the KV by the queue.  So a failed group fails every batch queued
+    behind it too (each was built on memory that had the failed changes), and the store's memory
+    is brought back to the KV's state (MetaStore.heal) before any new batch is taken: until
+    then the pipeline is *broken* and ``submit`` refuses.  Tickets settle in order; a ticket's
+    failure is remembered (the last few ranges) so a late waiter still hears of it.
+
+    Callbacks that must not run before their batch is durable (a cache file the journal let go
+    of, an applied entry's cleanup) are attached to the newest batch and run once it has
+    landed, in order, on a helper thread that takes the store's lock: never on the writer, which
+    must not wait for that lock (a sync commit holds it while it waits for the writer).
+    """
+
+    GROUP_OPS = 110             # a group fits one etcd txn (kv_etcd.TXN_OPS is 120)
+    GROUP_BYTES = 512 * 1024
+
+    def __init__(self, kv: KV, lock: threading.RLock, on_broken: Callable[[BaseException], None]) -> None:
+        self.kv = kv
+        self.cv = threading.Condition()
+        self._store_lock = lock
+        self._on_broken = on_broken
+        self.queue: list[_Batch] = []
+        self.issued = 0             # the newest ticket handed out
+        self.settled = 0            # every ticket up to here landed or failed
+        self.broken: BaseException | None = None
+        self.dropped: list = []     # objects failed batches took out of memory (for heal)
+        self.failures: list[tuple[int, int, str]] = []   # (first, last ticket, why), newest last
+        self.writes = 0             # KV writes made (groups), for tests and status
+        self._inflight: list | None = None   # callbacks attached while a group is written
+        self._stop = False
+        self._after: list[list[Callable[[], None]]] = []
+        self._after_cv = threading.Condition()
+        self._writer = threading.Thread(target=self._run, name="acache-meta-commit", daemon=True)
+        self._helper = threading.Thread(target=self._run_after, name="acache-meta-after", daemon=True)
+        self._writer.start()
+        self._helper.start()
+
+    # -- the store's side (under its lock) ----------------------------------------------
+    def submit(self, puts: dict, deletes: list, dropped: list, after: list) -> int:
+        with self.cv:
+            if self.broken is not None:
+                raise MetaError(f"an earlier metadata write failed ({self.broken}); undoing it")
+            if self._stop:
+                raise MetaError("the metadata store is closed")
+            self.issued += 1
+            self.queue.append(_Batch(self.issued, puts, deletes, dropped, after))
+            self.cv.notify_all()
+            return self.issued
+
+    def after_durable(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` once everything submitted so far has landed (dropped if it fails).
+        False: nothing is pending -- the caller runs it now."""
+        if threading.current_thread() is self._helper:
+            return False            # from a callback: what triggered it has landed
+        with self.cv:
+            if self.queue:
+                self.queue[-1].after.append(fn)
+            elif self._inflight is not None:
+                self._inflight.append(fn)
+            else:
+                return False
+            return True
+
+    def take_dropped(self) -> list:
+        with self.cv:
+            out, self.dropped = self.dropped, []
+            return out
+
+    def reset(self) -> None:
+        with self.cv:
+            self.broken = None
+            self.cv.notify_all()
+
+    # -- anyone's side ---------------------------------------------------------------------
+    def wait(self, ticket: int, since: int = -1) -> None:
+        """Until ``ticket`` has settled; MetaError if a ticket in (``since``, ``ticket``] failed
+        (``since`` defaults to ``ticket - 1``: just that one)."""
+        if ticket <= 0:
+            return
+        lo = ticket - 1 if since < 0 else since
+        with self.cv:
+            while self.settled < ticket:
+                self.cv.wait()
+            for first, last, why in reversed(self.failures):
+                if last <= lo:
+                    break
+                if first <= ticket:
+                    raise MetaError(f"metadata write failed: {why}")
+
+    def drain(self) -> None:
+        """Until everything submitted has settled (no error raised: see ``wait``)."""
+        with self.cv:
+            while self.settled < self.issued:
+                self.cv.wait()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self.cv:
+            self._stop = True
+            self.cv.notify_all()
+        self._writer.join(timeout)
+        with self.cv:                # still queued (a KV that never answered): failed
+            if self.queue and not self._writer.is_alive():
+                left, self.queue = self.queue, []
+                self.failures.append((left[0].ticket, left[-1].ticket, "the metadata store closed"))
+                self.settled = left[-1].ticket
+                self.cv.notify_all()
+        with self._after_cv:
+            self._after_cv.notify_all()
+        self._helper.join(timeout)
+
+    # -- the writer ------------------------------------------------------------------------
+    def _take(self) -> list[_Batch]:
+        group: list[_Batch] = []
+        ops, size = 0, 0
+        while self.queue:
+            b = self.queue[0]
+            n = len(b.puts) + len(b.deletes)
+            m = sum(len(k) + len(v) for k, v in b.puts.items()) + sum(map(len, b.deletes))
+            if group and (ops + n > self.GROUP_OPS or size + m > self.GROUP_BYTES):
+                break
+            group.append(self.queue.pop(0))
+            ops, size = ops + n, size + m
+        return group
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue and not self._stop:
+                    self.cv.wait()
+                if not self.queue:
+                    return
+                group = self._take()
+                self._inflight = []
+            ops: dict[bytes, bytes | None] = {}
+            for b in group:                  # in order: a later batch's put or delete wins
+                for k in b.deletes:
+                    ops[k] = None
+                ops.update(b.puts)
+            err: BaseException | None = None
+            try:
+                self.kv.write({k: v for k, v in ops.items() if v is not None},
+                              [k for k, v in ops.items() if v is None], sync=True)
+            except Exception as e:
+                err = e
+            with self.cv:
+                self.writes += 1
+                after = [fn for b in group for fn in b.after] + (self._inflight or [])
+                self._inflight = None
+                if err is None:
+                    self.settled = group[-1].ticket
+                else:
+                    failed, self.queue = group + self.queue, []
+                    self.failures = self.failures[-63:] + [(failed[0].ticket, failed[-1].ticket, str(err))]
+                    self.settled = failed[-1].ticket
+                    self.dropped.extend(o for b in failed for o in b.dropped)
+                    self.broken = err
+                self.cv.notify_all()
+            if err is not None:
+                log.error("metadata write of %d batch(es) failed: %s", len(group), err)
+                try:
+                    self._on_broken(err)
+                except Exception:
+                    log.exception("undoing a failed metadata write")
+            elif after:
+                with self._after_cv:
+                    self._after.append(after)
+                    self._after_cv.notify_all()
+
+    def _run_after(self) -> None:
+        while True:
+            with self._after_cv:
+                while not self._after and not (self._stop and not self._writer.is_alive()):
+                    self._after_cv.wait(0.5)
+                if not self._after:
+                    return
+                todo, self._after = self._after, []
+            with self._store_lock:
+                for fns in todo:
+                    for fn in fns:
+                        try:
+                            fn()
+                        except Exception:
+                            log.exception("after a metadata write")
+
 
 class MetaStore:
     """The namespace + journal.  Callers hold ``lock`` around reads and txns."""
@@ -308,6 +551,8 @@ class MetaStore:
         self.clock = clock
         self.lock = threading.RLock()
         self._op = threading.local()                # .floor, .told: see op()
+        self._mine = threading.local()              # .first, .last: GroupCommit tickets of
+                                                    # this thread's operation (mark())
         self._serial_top = 0       # the newest entry journaled without an engine's floor
                                    # (set to next_seq below: all before a start returned)
         self._inodes: dict[int, Inode] = {}
@@ -355,6 +600,9 @@ class MetaStore:
             self._inodes[ROOT_INO] = root
             kv.write({K.inode_key(ROOT_INO): root.pack(),
                       K.counter_key("next_ino"): K.u64(ROOT_INO)}, sync=True)
+        # a KV whose every write is a slow round trip (etcd) is written behind, in groups
+        self.group: GroupCommit | None = \
+            GroupCommit(kv, self.lock, self.heal) if getattr(kv, "group_commit", False) else None
 
     # -- the journal's indexes ---------------------------------------------------
     def _index(self, e: Entry) -> None:
@@ -451,6 +699,8 @@ class MetaStore:
 
     def orphan_stages(self) -> list[str]:
         """Stage tokens no entry holds, whose leftovers may still exist (schema: T)."""
+        if self.group is not None:
+            self.group.drain()
         return [k[1:].decode("utf-8", "surrogateescape") for k, _ in self.kv.scan(K.STAGE_PREFIX)]
 
     def puts_of(self, ino: int) -> list[Entry]:
@@ -532,10 +782,70 @@ class MetaStore:
 
     def sync(self) -> None:
         """Make every change so far durable against a host crash (fsync of the WAL)."""
+        if self.group is not None:       # every group write is durable: wait for the last
+            last = self.group.issued
+            self.group.wait(last)
+            return
         try:
             self.kv.write({K.counter_key("sync"): b""}, sync=True)
         except Exception as e:
             raise MetaError(f"metadata sync failed: {e}") from None
+
+    # -- written behind (GroupCommit) ----------------------------------------------
+    def mark(self) -> int:
+        """Where the KV stands now, before an operation (on this thread) that will be
+        acknowledged: see wait_visible."""
+        self._mine.first = self._mine.last = self._mine.seq = 0
+        return self.group.settled if self.group is not None else 0
+
+    def journaled(self) -> int:
+        """The newest entry this thread journaled since its ``mark()`` (0: none)."""
+        return getattr(self._mine, "seq", 0)
+
+    def wait_visible(self, since: int) -> None:
+        """Before acknowledging an operation that began at ``mark()``: wait until every
+        change it made or could have seen has landed.  MetaError if one it made failed (it is
+        undone); if it made none, if any it could have seen failed (what it read is undone).
+        Nothing to wait for without GroupCommit (each commit wrote through)."""
+        g = self.group
+        if g is None:
+            return
+        first, last = getattr(self._mine, "first", 0), getattr(self._mine, "last", 0)
+        if last:            # a later failure cannot touch it: its batches were queued first
+            g.wait(last, first - 1)
+        else:
+            g.wait(g.issued, since)
+
+    def wait_ticket(self, ticket: int) -> None:
+        """Until the batch of a Txn committed (Txn.ticket) landed; MetaError if it failed."""
+        if self.group is not None:
+            self.group.wait(ticket)
+
+    def after_durable(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (under the lock) once the changes so far have landed: now without
+        GroupCommit; never if they fail (memory is restored, and what ``fn`` would clean up
+        is needed again)."""
+        if self.group is None or not self.group.after_durable(fn):
+            fn()
+
+    def heal(self, err: BaseException | None, dropped=()) -> None:
+        """GroupCommit: a group failed (``err``) -- memory is ahead of the KV by it and by
+        every batch queued after it: restore memory from the KV, then take batches again."""
+        g = self.group
+        with self.lock:
+            if g is None or (g.broken is None and not self.stale and not dropped):
+                return
+            g.drain()
+            objs = list(dropped) + g.take_dropped()
+            try:
+                self.restore(objs)
+                log.error("metadata write failed, the operations queued with it are undone "
+                          "(EIO): %s", err or g.broken)
+            except Exception as e2:
+                self.stale = True
+                log.error("metadata write failed (%s) and the store cannot be read back (%s): "
+                          "every change fails (EIO) until it can", err or g.broken, e2)
+            g.reset()
 
     # -- a failed write ------------------------------------------------------------
     def after_failure(self, err: BaseException) -> bool:
@@ -574,6 +884,8 @@ class MetaStore:
 
     def restore(self, dropped=()) -> None:
         """Make memory equal the KV again, in place (see the module docstring)."""
+        if self.group is not None:
+            self.group.drain()           # the KV as it will be: nothing in flight
         old_inodes = {o.ino: o for o in dropped if isinstance(o, Inode)}
         old_entries = {o.seq: o for o in dropped if isinstance(o, Entry)}
         with self.lock:
@@ -614,4 +926,6 @@ class MetaStore:
             self.stale = False
 
     def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
         self.kv.close()
