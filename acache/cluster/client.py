@@ -515,8 +515,20 @@ class ClientVFS:
             last = not w.active
         if last:
             s = os.fstat(h.fd)
-            self.ns("close", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns,
-                    ctime_ns=s.st_ctime_ns)
+            try:
+                self.ns("close", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns,
+                        ctime_ns=s.st_ctime_ns)
+            except BaseException:
+                # not journaled at the head: the handle stays open, so the next FLUSH (the
+                # owner's close(2) after a forked child's exec sent this one) and RELEASE try
+                # again -- else a close that failed here would make the next one a no-op that
+                # returns 0 for bytes never journaled
+                with self.lock:
+                    if self._handles.get(fh) is h:
+                        h.closed = False
+                        if self._wopen.get(h.ino) is w:
+                            w.active.add(fh)
+                raise
             self.cache.note(h.ino, h.gen, dirty=True, size=s.st_blocks * 512)
 
     def fsync(self, fh: int, datasync: bool) -> None:

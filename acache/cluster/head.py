@@ -74,6 +74,7 @@ class CallEdge:
         self.overlap.seen(u)
         since = self.meta.mark()
         try:
+            self.meta.ready()
             with self.meta.op(self.overlap.floor(u)):
                 out = fn(*args)
             self.meta.wait_visible(since)

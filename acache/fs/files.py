@@ -396,7 +396,15 @@ class FileOps:
             active = self._writers.get(h.ino, set())
             active.discard(fh)
             if not active:
-                self._close_file(h)
+                try:
+                    self._close_file(h)
+                except BaseException:
+                    # not journaled: the handle stays open for the next FLUSH (a forked
+                    # child's exec sends one before the owner's close(2), which must then
+                    # journal, or fail, itself) and for RELEASE
+                    h.closed = False
+                    self._writers.setdefault(h.ino, set()).add(fh)
+                    raise
 
     def _close_file(self, h: Handle) -> None:
         """The last writer closed the file: journal its commit (under the lock)."""

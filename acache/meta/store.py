@@ -828,6 +828,17 @@ class MetaStore:
         if self.group is None or not self.group.after_durable(fn):
             fn()
 
+    def ready(self) -> None:
+        """Before an operation (GroupCommit): if a failed write left memory ahead of the KV
+        and it could not be read back then (the KV was unreachable), read it back now rather
+        than fail the operation for what an earlier one did; MetaError if it still cannot be."""
+        g = self.group
+        if g is None or (g.broken is None and not self.stale):
+            return
+        self.heal(None)
+        if self.stale:
+            raise MetaError("an earlier metadata write failed and the store cannot be read back yet")
+
     def heal(self, err: BaseException | None, dropped=()) -> None:
         """GroupCommit: a group failed (``err``) -- memory is ahead of the KV by it and by
         every batch queued after it: restore memory from the KV, then take batches again."""

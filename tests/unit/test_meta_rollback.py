@@ -155,3 +155,22 @@ def test_an_operation_failing_before_its_commit_is_undone_in_memory(rig, monkeyp
     v.flush(fh)
     v.release(fh)
     assert memory(meta) == stored(kv)
+
+
+def test_a_close_that_failed_to_journal_is_journaled_by_the_next(rig):
+    """A FLUSH whose journaling failed leaves the handle open: the next FLUSH of it (the
+    owner's close(2), after a forked child's exec closed its copy) journals the file -- or
+    fails -- itself, instead of returning 0 for bytes never journaled."""
+    v, meta, kv = rig.vfs, rig.meta, rig.kv
+    fh, attr = v.create(ROOT_INO, b"f", 0o644, os.O_WRONLY, CTX)
+    v.write(fh, 0, b"x" * 5000)
+    kv.fail = True
+    with pytest.raises((FsError, MetaError)):
+        v.flush(fh)                     # the child's FLUSH: the metadata write fails
+    kv.fail = False
+    assert not meta.puts_of(attr.ino)
+    v.flush(fh)                         # the owner's close: journals it now
+    puts = meta.puts_of(attr.ino)
+    assert [e.size for e in puts] == [5000], puts
+    v.release(fh)
+    assert memory(meta) == stored(kv)
