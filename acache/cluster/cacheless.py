@@ -320,7 +320,15 @@ class CachelessVFS(ClientVFS):
             w.active.discard(fh)
             last = not w.active
         if last:
-            self._close_at_head(h)
+            try:
+                self._close_at_head(h)
+            except BaseException:
+                # not journaled: the next FLUSH or the RELEASE tries again (ClientVFS.flush)
+                with self.lock:
+                    if self._handles.get(fh) is h:
+                        h.closed = False
+                        w.active.add(fh)
+                raise
 
     def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handle(fh)
