@@ -44,9 +44,17 @@ def fuse_mounts() -> list[str]:
 
 
 def files_under(root: Path) -> dict[str, bytes]:
-    """Every file below ``root`` (relative path -> bytes)."""
-    return {str(p.relative_to(root)): p.read_bytes()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file below ``root`` (relative path -> bytes).  A file that goes away
+    between the listing and its read was in flight (the persister renames its temp
+    file into place while a test polls): it is left out of this snapshot."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        try:
+            if p.is_file():
+                out[str(p.relative_to(root))] = p.read_bytes()
+        except FileNotFoundError:
+            continue
+    return out
 
 
 class AcacheNode:

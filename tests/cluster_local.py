@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.acache_node import AcacheNode
+from tests.acache_node import AcacheNode, files_under
 
 
 def free_port() -> int:
@@ -79,5 +79,4 @@ class LocalCluster:
         raise AssertionError(f"no head other than {not_} within {timeout} s")
 
     def ufs_files(self) -> dict[str, bytes]:
-        return {str(p.relative_to(self.ufs_dir)): p.read_bytes()
-                for p in sorted(self.ufs_dir.rglob("*")) if p.is_file()}
+        return files_under(self.ufs_dir)
