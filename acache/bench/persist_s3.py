@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +32,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from acache.bench.cluster import write_together
 from acache.bench.procs import Owned
 from acache.bench.targets import AcacheTarget, S3Server
 from acache.config import parse_size
@@ -139,19 +139,7 @@ class Run:
         d.mkdir(exist_ok=True)
         writers = max(1, self.a.writers)
         if self.a.together:     # rounds of `writers` files, closed at one moment
-            barrier = threading.Barrier(writers)
-
-            def rank(k: int) -> None:
-                for r in range(-(-len(files) // writers)):
-                    i = r * writers + k
-                    if i >= len(files):
-                        barrier.wait(60)     # a short last round: the others still meet
-                        continue
-                    with open(files[i], "rb") as src, open(d / files[i].name, "wb") as dst:
-                        shutil.copyfileobj(src, dst, 8 * MiB)
-                        barrier.wait(60)     # then every rank closes its file at once
-            with ThreadPoolExecutor(writers) as ex:
-                list(ex.map(rank, range(writers)))
+            write_together(files, [d], writers)
         else:
             with ThreadPoolExecutor(writers) as ex:   # closed: journaled, waits for the flush
                 list(ex.map(lambda p: shutil.copyfile(p, d / p.name), files))
