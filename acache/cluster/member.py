@@ -22,7 +22,7 @@ import time
 
 from acache.cluster.client import ClientVFS
 from acache.cluster.head import CallEdge, HeadVFS, attr_dict
-from acache.errors import AcacheError, FsError, MetaError
+from acache.errors import AcacheError, FsError, MetaError, UnderStoreError
 from acache.fs.types import Ctx
 from acache.net.transport import FileRegion, PeerUnavailable, RemoteError, Reply, TransportError
 
@@ -76,7 +76,7 @@ class Member:
                                     chunk_size=settings.chunk_size)
         self.listener = self.transport.listen(settings.listen)
         self.address = settings.advertise or self.listener.address
-        for op in ("read", "drop", "clean"):
+        for op in ("read", "drop", "clean", "stage_part"):
             self.listener.register(f"data.{op}", getattr(self, f"_data_{op}"))
         self.sessions = None
         if self.worker:
@@ -180,6 +180,28 @@ class Member:
         size = os.fstat(fd).st_size
         return Reply({}, FileRegion(fd, off, max(0, min(n, size - off)),
                                     release=lambda: self.cache.release(ino, gen)))
+
+    def _data_stage_part(self, meta: dict, payload) -> dict:
+        """The head stages a file this node holds (S3 multipart): upload one part of it
+        from this node's cache file, answer its ETag (acache.data.under.s3 stage_parts)."""
+        ino, gen, path, upload_id = meta.get("ino"), meta.get("gen"), meta.get("path"), meta.get("upload_id")
+        number, off, n = meta.get("number"), meta.get("offset"), meta.get("length")
+        if not (all(isinstance(v, int) and v >= 0 for v in (ino, gen, number, off, n))
+                and isinstance(path, str) and isinstance(upload_id, str)):
+            raise OSError(errno.EINVAL, "bad part request")
+        send = getattr(self.under, "upload_part_from", None)
+        if send is None:
+            raise OSError(errno.EOPNOTSUPP, "this node's under-storage takes no parts")
+        try:
+            fd = self.cache.acquire(ino, gen)
+        except FileNotFoundError:
+            raise OSError(errno.ENOENT, f"inode {ino} generation {gen} is not cached here") from None
+        try:
+            return {"etag": send(path, upload_id, fd, number, off, n)}
+        except UnderStoreError as e:
+            raise OSError(errno.EIO, str(e)) from None
+        finally:
+            self.cache.release(ino, gen)
 
     def _data_drop(self, meta: dict, payload) -> dict:
         self.vfs.drop(int(meta["ino"]), int(meta["gen"]))
@@ -400,6 +422,8 @@ class _Head:
         self.vfs = HeadVFS(self.meta, member.cache, member.under, self.persister,
                            node_id=member.node_id, notify=member.notify, chunk_size=s.chunk_size)
         self.persister.pull = self._pull
+        self.persister.stage_elsewhere = self._stage_elsewhere
+        self._no_parts: set[str] = set()    # holders that said they take no parts: pulled
         self.cache = member.cache
         from acache.cluster.placement import Placement
         self.placement = Placement(member.cluster)
@@ -420,6 +444,41 @@ class _Head:
             self.persister.stop()
         finally:
             self.meta.close()            # what is queued is written, then the KV closed
+
+    def _stage_elsewhere(self, e, progress, on_token):
+        """Stage PUT ``e`` with no copy of its bytes here: its holder uploads each part
+        from its own cache file, this node (the head) creates, records and later completes
+        the upload in order.  None where that cannot be (the holder is this node, a small
+        file sent whole, an under-storage without parts): ``_pull`` copies it here first."""
+        holder, under = e.node, self.member.under
+        if not holder or holder == self.member.node_id or e.size == 0 or holder in self._no_parts \
+                or not hasattr(under, "stage_parts") or not under.parts_elsewhere(e.size):
+            return None
+        from acache.data.under.base import Attrs
+        grace = getattr(under, "read_timeout", 60.0) + 30.0
+
+        def send_part(upload_id: str, number: int, offset: int, length: int) -> str:
+            args = {"ino": e.ino, "gen": e.gen, "path": e.path, "upload_id": upload_id,
+                    "number": number, "offset": offset, "length": length}
+            try:
+                reply, _ = self.member.conn(holder).request(
+                    "data.stage_part", args, timeout=grace + length / (1 << 20))
+            except RemoteError as err:
+                if err.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    self._no_parts.add(holder)    # the next attempt copies the file here
+                raise UnderStoreError(f"part {number} of {e.path} from {holder}: {err}",
+                                      retryable=True) from None
+            except (TransportError, OSError) as err:
+                self.member._drop_conn(holder)
+                raise UnderStoreError(f"part {number} of {e.path} from {holder}: {err}",
+                                      retryable=True) from None
+            etag = reply.get("etag")
+            if not isinstance(etag, str) or not etag:
+                raise UnderStoreError(f"part {number} of {e.path} from {holder}: no ETag",
+                                      retryable=True)
+            return etag
+        return under.stage_parts(e.path, e.token, e.size, send_part, progress,
+                                 attrs=Attrs.unpack(e.attrs), on_token=on_token)
 
     def _pull(self, e) -> None:
         """Copy the bytes of PUT ``e`` from its holder into this cache (before staging)."""

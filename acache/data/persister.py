@@ -99,6 +99,9 @@ class Persister:
         # copied from it into this cache before it is staged (``pull``, on a stage thread;
         # raises UnderStoreError to retry), and its cache file is not checked before that
         self.pull: Callable[[Entry], None] | None = None
+        # a cluster's head: stages a PUT from the node that holds its bytes, with no copy
+        # here (S3 multipart: the holder sends the parts); None when it cannot (then: pull)
+        self.stage_elsewhere: Callable[..., object | None] | None = None
         self._retry_at: dict[int, float] = {}   # seq -> self.clock() of the next try
         self._attempts: dict[int, int] = {}
         self.failed: dict[int, str] = {}        # seq -> permanent error message
@@ -469,13 +472,17 @@ class Persister:
         try:
             # no byte under a stage whose record has not landed (a KV written behind)
             self.meta.wait_ticket(job.ticket)
-            if self.pull is not None and e.op == "put":
+            if self.stage_elsewhere is not None and e.op == "put":
+                staged = self.stage_elsewhere(e, progress, on_token)
+            if staged is None and self.pull is not None and e.op == "put":
                 self.pull(e)
                 problem = self._cache_problem(e)
                 if problem:
                     raise UnderStoreError(f"put {e.path}: {problem}", retryable=True)
-            staged = self.under.stage(e.path, e.token, self.cache.path(e.ino, e.gen), e.size,
-                                      progress, attrs=Attrs.unpack(e.attrs), on_token=on_token)
+            if staged is None:
+                staged = self.under.stage(e.path, e.token, self.cache.path(e.ino, e.gen),
+                                          e.size, progress, attrs=Attrs.unpack(e.attrs),
+                                          on_token=on_token)
         except _Aborted:
             pass
         except BaseException as exc:   # handed to the scheduler thread

@@ -532,14 +532,54 @@ class S3Store:
             ps = -(-ps // MiB) * MiB
         return ps
 
+    # -- a multipart stage whose parts another node sends (a cluster's head staging a file
+    # that a member holds: the member uploads each part from its own cache, the head
+    # creates, records and completes the upload, in order; no byte crosses the head)
+    def parts_elsewhere(self, size: int) -> bool:
+        """Would a stage of ``size`` bytes go up in parts (stage_parts can do it)?"""
+        return size >= self.multipart_threshold
+
+    def stage_parts(self, path: str, token: str, size: int,
+                    send_part: Callable[[str, int, int, int], str],
+                    progress: Callable[[int], None] | None = None,
+                    attrs: Attrs | None = None,
+                    on_token: Callable[[str], None] | None = None) -> "S3Staged":
+        """stage() of a file this node does not hold: ``send_part(upload_id, number,
+        offset, length)`` has part ``number`` (bytes [offset, offset+length) of the file)
+        uploaded elsewhere (upload_part_from on the holder) and returns its ETag."""
+        key = self._key(path)
+        if not path:
+            raise PermanentError("cannot stage onto the root directory")
+        self._token_path(token)
+        if self._unclean:
+            try:
+                self._retry_cleanups()
+            except UnderStoreError:
+                pass
+        with self._errors("stage", key):
+            return self._stage_multipart(token, key, None, size, progress,
+                                         attrs_headers(attrs, _stat.S_IFREG), on_token,
+                                         send_part=send_part)
+
+    def upload_part_from(self, path: str, upload_id: str, fd: int, number: int, offset: int,
+                         length: int) -> str:
+        """Upload part ``number`` of the multipart upload ``upload_id`` on ``path``'s key:
+        bytes [offset, offset+length) of ``fd`` (the holder's side of stage_parts)."""
+        if not (1 <= number <= MAX_PARTS and 0 <= offset and 0 < length <= MAX_PART_SIZE
+                and upload_id and path):
+            raise PermanentError(f"bad part request: part {number}, {length} bytes at {offset}")
+        return self._upload_part(self._key(path), upload_id, fd, number, offset, length)[1]
+
     def _stage_multipart(self, token, key, src_path, size, progress, meta,
-                         on_token=None) -> "S3Staged":
+                         on_token=None, send_part=None) -> "S3Staged":
         ps = self._part_size_for(size)
         ranges = [(i + 1, off, min(ps, size - off)) for i, off in enumerate(range(0, size, ps))]
-        try:
-            fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise os_error(e, f"s3 stage {key}: reading the source") from e
+        fd = -1
+        if send_part is None:
+            try:
+                fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise os_error(e, f"s3 stage {key}: reading the source") from e
         upload_id = None
         self._track(token, key, None)
         try:
@@ -554,6 +594,8 @@ class S3Store:
                 on_token(new)
 
             def one(r):
+                if send_part is not None:
+                    return r[0], send_part(upload_id, *r), r[2]
                 return self._upload_part(key, upload_id, fd, *r)
             parts = self._run_all(one, ranges, (lambda p: progress(p[2])) if progress else None)
         except BaseException:
@@ -565,7 +607,8 @@ class S3Store:
                     pass  # cleanup(token) finds it later
             raise
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         parts.sort()
         return S3Staged(self, token, key, size, upload_id=upload_id,
                         parts=[(n, etag) for n, etag, _ in parts])
