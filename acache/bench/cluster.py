@@ -487,7 +487,8 @@ def main(argv=None) -> int:
             if "read" in a.cases:
                 case_read(cluster, big, rows, log)
             if "persist" in a.cases:
-                case_persist(cluster, {"small": small, "big": [big]}, rows, log)
+                case_persist(cluster, {k: v for k, v in (("small", small), ("big", [big])) if v},
+                             rows, log)
             if "closes" in a.cases:
                 case_closes(cluster, rows, log)
         print_table(rows, a, Console(width=160))

@@ -76,7 +76,7 @@ class Member:
                                     chunk_size=settings.chunk_size)
         self.listener = self.transport.listen(settings.listen)
         self.address = settings.advertise or self.listener.address
-        for op in ("read", "drop", "clean", "stage_part"):
+        for op in ("read", "drop", "clean", "stage_part", "stage_file"):
             self.listener.register(f"data.{op}", getattr(self, f"_data_{op}"))
         self.sessions = None
         if self.worker:
@@ -198,6 +198,30 @@ class Member:
             raise OSError(errno.ENOENT, f"inode {ino} generation {gen} is not cached here") from None
         try:
             return {"etag": send(path, upload_id, fd, number, off, n)}
+        except UnderStoreError as e:
+            raise OSError(errno.EIO, str(e)) from None
+        finally:
+            self.cache.release(ino, gen)
+
+    def _data_stage_file(self, meta: dict, payload) -> dict:
+        """The head stages a file this node holds (a POSIX under-storage the nodes share):
+        write the stage's temp file from this node's cache file; the head commits it."""
+        ino, gen, path, token, size = (meta.get(k) for k in ("ino", "gen", "path", "token", "size"))
+        attrs = meta.get("attrs") or []
+        if not (all(isinstance(v, int) and v >= 0 for v in (ino, gen, size))
+                and isinstance(path, str) and isinstance(token, str) and isinstance(attrs, list)):
+            raise OSError(errno.EINVAL, "bad stage request")
+        if not hasattr(self.under, "staged_from"):
+            raise OSError(errno.EOPNOTSUPP, "this node's under-storage is not a shared directory")
+        from acache.data.under.base import Attrs
+        try:
+            fd = self.cache.acquire(ino, gen)       # held: never removed under the copy
+        except FileNotFoundError:
+            raise OSError(errno.ENOENT, f"inode {ino} generation {gen} is not cached here") from None
+        try:
+            staged = self.under.stage(path, token, f"/proc/self/fd/{fd}", size,
+                                      attrs=Attrs.unpack(attrs))
+            return staged.made()                    # type: ignore[attr-defined]
         except UnderStoreError as e:
             raise OSError(errno.EIO, str(e)) from None
         finally:
@@ -451,11 +475,14 @@ class _Head:
         the upload in order.  None where that cannot be (the holder is this node, a small
         file sent whole, an under-storage without parts): ``_pull`` copies it here first."""
         holder, under = e.node, self.member.under
-        if not holder or holder == self.member.node_id or e.size == 0 or holder in self._no_parts \
-                or not hasattr(under, "stage_parts") or not under.parts_elsewhere(e.size):
+        if not holder or holder == self.member.node_id or e.size == 0 or holder in self._no_parts:
             return None
         from acache.data.under.base import Attrs
         grace = getattr(under, "read_timeout", 60.0) + 30.0
+        if hasattr(under, "staged_from"):
+            return self._stage_file_elsewhere(e, holder, progress, grace)
+        if not hasattr(under, "stage_parts") or not under.parts_elsewhere(e.size):
+            return None
 
         def send_part(upload_id: str, number: int, offset: int, length: int) -> str:
             args = {"ino": e.ino, "gen": e.gen, "path": e.path, "upload_id": upload_id,
@@ -479,6 +506,25 @@ class _Head:
             return etag
         return under.stage_parts(e.path, e.token, e.size, send_part, progress,
                                  attrs=Attrs.unpack(e.attrs), on_token=on_token)
+
+    def _stage_file_elsewhere(self, e, holder: str, progress, grace: float):
+        """A POSIX under-storage every node mounts: the holder writes the stage's temp
+        file (``e.token``, recorded before this) from its cache; committed here."""
+        args = {"ino": e.ino, "gen": e.gen, "path": e.path, "token": e.token, "size": e.size,
+                "attrs": list(e.attrs or [])}
+        try:
+            made, _ = self.member.conn(holder).request(
+                "data.stage_file", args, timeout=grace + e.size / (1 << 20))
+        except RemoteError as err:
+            if err.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                self._no_parts.add(holder)        # the next attempt copies the file here
+            raise UnderStoreError(f"staging {e.path} on {holder}: {err}", retryable=True) from None
+        except (TransportError, OSError) as err:
+            self.member._drop_conn(holder)
+            raise UnderStoreError(f"staging {e.path} on {holder}: {err}", retryable=True) from None
+        staged = self.member.under.staged_from(e.token, e.path, made)
+        progress(e.size)
+        return staged
 
     def _pull(self, e) -> None:
         """Copy the bytes of PUT ``e`` from its holder into this cache (before staging)."""

@@ -476,6 +476,17 @@ class FileStore:
                 os.close(dfd)
         return FileStaged(self, token, tmp, path, ino)
 
+    # -- a stage made by another node on the same directory (a cluster's holder of the
+    # file writes the temp file from its own cache; the head commits it in order)
+    def staged_from(self, token: str, path: str, made: dict) -> "FileStaged":
+        """The stage another node made with stage(path, token, ...): ``made`` is its
+        FileStaged.made() (the temp file's inode, to tell a commit done before)."""
+        clean_path(path)
+        ino = made.get("ino")
+        if not path or not isinstance(ino, int):
+            raise PermanentError(f"file://{self.root}: bad stage of {path!r} from another node")
+        return FileStaged(self, token, self._token_path(token), path, ino)
+
     def cleanup(self, token: str) -> None:
         tmp = self._token_path(token)
         with self._errors("cleanup", tmp):
@@ -643,6 +654,10 @@ class FileStaged:
         self._store = store
         self._tmp = tmp
         self._ino = ino  # tells "committed before" from "someone removed the temp file"
+
+    def made(self) -> dict:
+        """What another node's FileStore.staged_from needs to commit this stage."""
+        return {"ino": self._ino}
 
     def commit(self) -> None:
         st = self._store

@@ -1,8 +1,9 @@
-"""A cluster over a real S3 server (moto): a big file closed on a member is staged by the
-head with no copy of its bytes on the head -- the member (its holder) uploads the multipart
-parts from its own cache, the head creates, records and completes the upload in order
-(acache.cluster.member _Head._stage_elsewhere); a holder killed mid-upload resumes after
-its restart with nothing lost and no upload left behind."""
+"""The head stages a member's files with no copy of their bytes on the head
+(acache.cluster.member _Head._stage_elsewhere): over a real S3 server (moto) the member (the
+file's holder) uploads the multipart parts from its own cache while the head creates,
+records and completes the upload in order; over a shared directory the member writes the
+stage's temp file and the head renames it into place in order.  A holder killed mid-upload
+resumes after its restart with nothing lost and no upload left behind."""
 from __future__ import annotations
 
 import os
@@ -47,6 +48,27 @@ def _uploads(srv, prefix) -> list[str]:
     c = srv.client()
     res = c._list_multipart_uploads(srv.bucket, prefix=prefix + "/")   # minio's own call
     return [u.object_name for u in res.uploads]
+
+
+def test_a_members_files_go_up_from_the_member_shared_dir(tmp_path, etcd1):
+    """file:// (a directory every node mounts, as NFS): the member writes the temp file."""
+    with LocalCluster(tmp_path, etcd1, 2, flush_delay=0.2) as c:
+        head_id = c.wait_head()
+        head, member = c.node(head_id), c.nodes[1 if head_id == "n1" else 0]
+        files = {"d/big.bin": os.urandom(9 * MiB + 17), "d/small.bin": os.urandom(1000),
+                 "d/empty": b""}
+        (member.mnt / "d").mkdir()
+        for k, v in files.items():
+            (member.mnt / k).write_bytes(v)
+        os.chmod(member.mnt / "d/small.bin", 0o640)
+        member.flush(timeout=120)
+        assert c.ufs_files() == files
+        assert not list(c.ufs_dir.rglob(".acache-tmp.*"))
+        assert (c.ufs_dir / "d/small.bin").stat().st_mode & 0o777 == 0o640
+        # the head never held a copy of the member's files
+        sizes = _cache_sizes(head)
+        assert len(files["d/big.bin"]) not in sizes and 1000 not in sizes, sizes
+        assert (head.mnt / "d/big.bin").read_bytes() == files["d/big.bin"]
 
 
 def test_a_members_big_file_goes_up_from_the_member(tmp_path, etcd1, srv):
