@@ -192,16 +192,8 @@ class Member:
         send = getattr(self.under, "upload_part_from", None)
         if send is None:
             raise OSError(errno.EOPNOTSUPP, "this node's under-storage takes no parts")
-        try:
-            fd = self.cache.acquire(ino, gen)
-        except FileNotFoundError:
-            raise OSError(errno.ENOENT, f"inode {ino} generation {gen} is not cached here") from None
-        try:
-            return {"etag": send(path, upload_id, fd, number, off, n)}
-        except UnderStoreError as e:
-            raise OSError(errno.EIO, str(e)) from None
-        finally:
-            self.cache.release(ino, gen)
+        return self._from_cache_file(
+            ino, gen, lambda fd: {"etag": send(path, upload_id, fd, number, off, n)})
 
     def _data_stage_file(self, meta: dict, payload) -> dict:
         """The head stages a file this node holds (a POSIX under-storage the nodes share):
@@ -214,14 +206,18 @@ class Member:
         if not hasattr(self.under, "staged_from"):
             raise OSError(errno.EOPNOTSUPP, "this node's under-storage is not a shared directory")
         from acache.data.under.base import Attrs
+        return self._from_cache_file(ino, gen, lambda fd: self.under.stage(
+            path, token, f"/proc/self/fd/{fd}", size, attrs=Attrs.unpack(attrs)).made())  # type: ignore[attr-defined]
+
+    def _from_cache_file(self, ino: int, gen: int, fn) -> dict:
+        """fn(fd) on this node's cache file of (ino, gen), held meanwhile (never removed
+        under it), for a stage request of the head; its under-storage errors are EIO."""
         try:
-            fd = self.cache.acquire(ino, gen)       # held: never removed under the copy
+            fd = self.cache.acquire(ino, gen)
         except FileNotFoundError:
             raise OSError(errno.ENOENT, f"inode {ino} generation {gen} is not cached here") from None
         try:
-            staged = self.under.stage(path, token, f"/proc/self/fd/{fd}", size,
-                                      attrs=Attrs.unpack(attrs))
-            return staged.made()                    # type: ignore[attr-defined]
+            return fn(fd)
         except UnderStoreError as e:
             raise OSError(errno.EIO, str(e)) from None
         finally:
@@ -487,18 +483,8 @@ class _Head:
         def send_part(upload_id: str, number: int, offset: int, length: int) -> str:
             args = {"ino": e.ino, "gen": e.gen, "path": e.path, "upload_id": upload_id,
                     "number": number, "offset": offset, "length": length}
-            try:
-                reply, _ = self.member.conn(holder).request(
-                    "data.stage_part", args, timeout=grace + length / (1 << 20))
-            except RemoteError as err:
-                if err.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
-                    self._no_parts.add(holder)    # the next attempt copies the file here
-                raise UnderStoreError(f"part {number} of {e.path} from {holder}: {err}",
-                                      retryable=True) from None
-            except (TransportError, OSError) as err:
-                self.member._drop_conn(holder)
-                raise UnderStoreError(f"part {number} of {e.path} from {holder}: {err}",
-                                      retryable=True) from None
+            reply = self._ask_holder(holder, "data.stage_part", args, grace + length / (1 << 20),
+                                     f"part {number} of {e.path} from {holder}")
             etag = reply.get("etag")
             if not isinstance(etag, str) or not etag:
                 raise UnderStoreError(f"part {number} of {e.path} from {holder}: no ETag",
@@ -512,19 +498,25 @@ class _Head:
         file (``e.token``, recorded before this) from its cache; committed here."""
         args = {"ino": e.ino, "gen": e.gen, "path": e.path, "token": e.token, "size": e.size,
                 "attrs": list(e.attrs or [])}
-        try:
-            made, _ = self.member.conn(holder).request(
-                "data.stage_file", args, timeout=grace + e.size / (1 << 20))
-        except RemoteError as err:
-            if err.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
-                self._no_parts.add(holder)        # the next attempt copies the file here
-            raise UnderStoreError(f"staging {e.path} on {holder}: {err}", retryable=True) from None
-        except (TransportError, OSError) as err:
-            self.member._drop_conn(holder)
-            raise UnderStoreError(f"staging {e.path} on {holder}: {err}", retryable=True) from None
+        made = self._ask_holder(holder, "data.stage_file", args, grace + e.size / (1 << 20),
+                                f"staging {e.path} on {holder}")
         staged = self.member.under.staged_from(e.token, e.path, made)
         progress(e.size)
         return staged
+
+    def _ask_holder(self, holder: str, op: str, args: dict, timeout: float, what: str) -> dict:
+        """One stage request to a holder; any failure is a retryable UnderStoreError (a
+        holder that cannot stage is remembered: the next attempt copies the file here)."""
+        try:
+            reply, _ = self.member.conn(holder).request(op, args, timeout=timeout)
+            return reply
+        except RemoteError as err:
+            if err.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                self._no_parts.add(holder)
+            raise UnderStoreError(f"{what}: {err}", retryable=True) from None
+        except (TransportError, OSError) as err:
+            self.member._drop_conn(holder)
+            raise UnderStoreError(f"{what}: {err}", retryable=True) from None
 
     def _pull(self, e) -> None:
         """Copy the bytes of PUT ``e`` from its holder into this cache (before staging)."""

@@ -499,15 +499,7 @@ class S3Store:
               progress: Callable[[int], None] | None = None,
               attrs: Attrs | None = None,
               on_token: Callable[[str], None] | None = None) -> "S3Staged":
-        key = self._key(path)
-        if not path:
-            raise PermanentError("cannot stage onto the root directory")
-        self._token_path(token)
-        if self._unclean:
-            try:
-                self._retry_cleanups()
-            except UnderStoreError:
-                pass  # still unreachable: kept for the next stage; this one says why
+        key = self._begin_stage(path, token)
         if size < self.multipart_threshold:
             data = _read_source(src_path, size, f"s3 stage {key}")
             staged = S3Staged(self, token, key, size, src_path=src_path,
@@ -524,6 +516,19 @@ class S3Store:
         with self._errors("stage", key):
             return self._stage_multipart(token, key, src_path, size, progress,
                                          attrs_headers(attrs, _stat.S_IFREG), on_token)
+
+    def _begin_stage(self, path: str, token: str) -> str:
+        """What every stage checks and retries first; the key it stages onto."""
+        key = self._key(path)
+        if not path:
+            raise PermanentError("cannot stage onto the root directory")
+        self._token_path(token)
+        if self._unclean:
+            try:
+                self._retry_cleanups()
+            except UnderStoreError:
+                pass  # still unreachable: kept for the next stage; this one says why
+        return key
 
     def _part_size_for(self, size: int) -> int:
         ps = self.part_size
@@ -547,15 +552,7 @@ class S3Store:
         """stage() of a file this node does not hold: ``send_part(upload_id, number,
         offset, length)`` has part ``number`` (bytes [offset, offset+length) of the file)
         uploaded elsewhere (upload_part_from on the holder) and returns its ETag."""
-        key = self._key(path)
-        if not path:
-            raise PermanentError("cannot stage onto the root directory")
-        self._token_path(token)
-        if self._unclean:
-            try:
-                self._retry_cleanups()
-            except UnderStoreError:
-                pass
+        key = self._begin_stage(path, token)
         with self._errors("stage", key):
             return self._stage_multipart(token, key, None, size, progress,
                                          attrs_headers(attrs, _stat.S_IFREG), on_token,
