@@ -64,7 +64,8 @@ class ClientVFS:
     shared = True          # the mount engines: other hosts change this namespace too
 
     def __init__(self, node_id: str, cache, under, ns: Callable[..., dict],
-                 peer: Callable[[str], object], *, chunk_size: int = 8 << 20) -> None:
+                 peer: Callable[[str], object], *, chunk_size: int = 8 << 20,
+                 incarnation: Callable[[str], object] | None = None) -> None:
         from acache.data.readthrough import ReadThrough
         self.node_id = node_id
         self.cache, self.under = cache, under
@@ -82,7 +83,11 @@ class ClientVFS:
         self._complete: set[tuple[int, int]] = set()   # local copies known whole
         self._drop_later: set[tuple[int, int]] = set()
         self._ino_locks: dict[int, threading.Lock] = {}
-        self._unreachable: dict[str, float] = {}      # holder -> monotonic time it is tried again
+        # holder -> (monotonic time it is tried again, its incarnation when it failed)
+        self._unreachable: dict[str, tuple[float, object]] = {}
+        # incarnation(node): a value that changes when the node restarts, None while it is
+        # down or unknown (acache.cluster.member: its registered start time while alive)
+        self.incarnation = incarnation
         cache.evict_hook = self._evict
 
     # -- helpers ------------------------------------------------------------------------
@@ -235,14 +240,20 @@ class ClientVFS:
     def _reader(self, src: dict, ino: int) -> Callable[[int, int], bytes] | None:
         """Where the bytes of generation ``src`` come from when this node has no copy."""
         holder, gen = src.get("holder", ""), src["gen"]
+        upath = src.get("upath")
         if src.get("cached") and holder and holder != self.node_id:
+            # the under-storage holds this very generation (the head said so): a holder that
+            # does not answer is not the end of the read
+            persisted = upath if src.get("persisted") else None
+
             def from_peer(off: int, n: int) -> bytes:
                 from acache.net.transport import PeerUnavailable, TransportError
-                failed = self._unreachable.get(holder, 0.0)
-                if time.monotonic() < failed:
+                if self._shunned(holder):
                     # it just failed a request (the transport waited its whole timeout then):
                     # the next chunks, and the kernel's re-reads, fail at once instead of
                     # each waiting that long again
+                    if persisted is not None:
+                        return self.under.read(persisted, off, n)
                     raise FsError(errno.EIO, f"reading inode {ino}: its holder {holder} did "
                                   "not answer a moment ago")
                 try:
@@ -251,9 +262,14 @@ class ClientVFS:
                     got = conn.read_into("data.read", {"ino": ino, "gen": gen, "offset": off,
                                                        "length": n}, memoryview(buf))
                 except PeerUnavailable as e:
-                    self._unreachable[holder] = time.monotonic() + UNREACHABLE_FOR
+                    self._unreachable[holder] = (time.monotonic() + UNREACHABLE_FOR,
+                                                 self._incarnation(holder))
+                    if persisted is not None:
+                        log.warning("reading inode %d from %s failed: %s; reading it from the "
+                                    "under-storage (%s)", ino, holder, e, persisted)
+                        return self.under.read(persisted, off, n)
                     log.error("reading inode %d from %s failed: %s (EIO; its reads fail at once "
-                              "for %.0f s)", ino, holder, e, UNREACHABLE_FOR)
+                              "for %.0f s, or until it restarts)", ino, holder, e, UNREACHABLE_FOR)
                     raise FsError(errno.EIO, str(e)) from None   # not retried: it timed out
                 except TransportError as e:
                     raise UnderStoreError(f"reading inode {ino} from {holder}: {e}",
@@ -270,10 +286,30 @@ class ClientVFS:
                 with open(path, "rb", buffering=0) as f:
                     return os.pread(f.fileno(), n, off)
             return from_here
-        upath = src.get("upath")
         if upath is not None:
             return lambda off, n: self.under.read(upath, off, n)
         return None
+
+    def _incarnation(self, node: str) -> object:
+        if self.incarnation is None:
+            return None
+        try:
+            return self.incarnation(node)
+        except Exception as e:           # etcd away: as if nothing changed
+            log.debug("the incarnation of %s is unknown: %s", node, e)
+            return None
+
+    def _shunned(self, holder: str) -> bool:
+        """Whether reads from ``holder`` fail at once: it failed one a moment ago and has
+        not restarted since (a restarted holder is asked again at once)."""
+        until, inc = self._unreachable.get(holder, (0.0, None))
+        if time.monotonic() >= until:
+            return False
+        now = self._incarnation(holder)
+        if now is not None and now != inc:
+            self._unreachable.pop(holder, None)
+            return False
+        return True
 
     def _local_whole(self, ino: int, gen: int, size: int, holder: str) -> bool:
         if (ino, gen) in self._complete:

@@ -191,8 +191,13 @@ class HeadVFS(VFS):
                 self.placed_load.pop(w, None)
 
     def _source(self, node: Inode) -> dict:
+        # persisted: the under-storage holds this generation at upath (no PUT or move of it
+        # pending, not open for writing): a reader whose holder does not answer reads it there
+        persisted = node.upath is not None and not node.dirty and node.nlink > 0 and \
+            node.ino not in self.writers and \
+            not self.meta.puts_of(node.ino) and not self.meta.moves_of(node.ino)
         return {"gen": node.gen, "holder": node.node, "cached": node.cached,
-                "upath": node.upath, "size": node.size}
+                "upath": node.upath, "size": node.size, "persisted": persisted}
 
     def open_write(self, ino: int, trunc: bool, holder: str,
                    place: Callable[[int, Mapping[str, int]], str] | None = None) -> dict:

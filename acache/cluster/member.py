@@ -69,7 +69,7 @@ class Member:
         self.worker = settings.placement != "hash"
         if self.worker:
             self.vfs = ClientVFS(node_id, cache, under, self.ns, self.conn,
-                                 chunk_size=settings.chunk_size)
+                                 chunk_size=settings.chunk_size, incarnation=self.incarnation)
         else:
             from acache.cluster.cacheless import CachelessVFS
             self.vfs = CachelessVFS(node_id, cache, under, self.ns, self.conn,
@@ -135,6 +135,12 @@ class Member:
             from acache.meta.cluster import NodeRecord
             addr = self._addr[node_id] = NodeRecord.unpack(rec.value).address
         return addr
+
+    def incarnation(self, node_id: str) -> bytes | None:
+        """What changes when ``node_id`` registers again (a restart: its alive key, the id
+        of its lease); None while it is down."""
+        kv = self.client.get(self.cluster.alive_key(node_id))
+        return None if kv is None else kv.value
 
     def conn(self, node_id: str):
         with self._lock:

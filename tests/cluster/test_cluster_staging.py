@@ -121,3 +121,20 @@ def test_holder_killed_mid_upload_lands_after_restart(tmp_path, etcd1, srv):
         assert srv.objects(prefix) == {"big.bin": big}
         assert _uploads(srv, prefix) == [], "an aborted stage left its multipart upload"
         assert (member.mnt / "big.bin").read_bytes() == big
+
+
+def test_a_dead_holders_persisted_file_reads_from_the_under_storage(tmp_path, etcd1):
+    """The head keeps no copy of a member's file: once persisted, a reader elsewhere whose
+    holder is dead reads it from the under-storage, not EIO (a file not yet persisted still
+    fails with EIO: test_cluster_hosts' kill -9 test)."""
+    with LocalCluster(tmp_path, etcd1, 2, flush_delay=0.2) as c:
+        head_id = c.wait_head()
+        head, member = c.node(head_id), c.nodes[1 if head_id == "n1" else 0]
+        landed = os.urandom(3 * MiB + 5)
+        (member.mnt / "landed.bin").write_bytes(landed)
+        member.flush(timeout=120)
+        assert c.ufs_files() == {"landed.bin": landed}
+        assert len(landed) not in _cache_sizes(head)
+        member.kill9()
+        assert (head.mnt / "landed.bin").read_bytes() == landed
+        assert "reading it from the under-storage" in head.log_tail()
