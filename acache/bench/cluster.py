@@ -3,6 +3,8 @@ against the baseline each case would have without acache, measured in the same r
 
     host 0 (10.214.0.1)   etcd, moto's S3 server, node "a": the head (started first)
     host 1 (10.214.0.2)   node "b": a plain member
+    host 2 (10.214.0.3)   with ``--s3-rtt MS`` only: moto, behind a link with MS of round trip
+                          (moto then is not in host 0)
     root namespace        node "e": an embedded (RocksDB) single-host node; the bench itself
 
 Cases, each rep interleaving acache with its baseline (order rotated from rep to rep):
@@ -73,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--together", action="store_true",
                     help="persist: the writers are ranks, alternately on A and on B, writing rounds "
                          "of one file each and closing them at one moment (a DCP step's shards)")
+    ap.add_argument("--s3-rtt", type=float, default=None, metavar="MS",
+                    help="run moto in a host of its own whose link adds MS of round-trip time "
+                         "(tc netem), so the head's uploads and the direct baseline's both cross a "
+                         "link to S3, as to a real region (default: moto in host 0, no delay)")
     ap.add_argument("--closes", type=int, default=2000, help="files per closes rep (default 2000)")
     ap.add_argument("--rates", default="none,2gbit",
                     help="links of the read case: none (the bare veth) and/or tc rates")
@@ -267,12 +273,15 @@ class Cluster:
         from tests.cluster_hosts import ClusterNode, write_secret
         self.a, self.root, self.hosts, self.console = a, root, hosts, console
         self.etcd = hosts.etcd(root / "etcd", on=[0])
-        self.s3_endpoint = f"{hosts.addr(0)}:{S3_PORT}"
+        s3_host = 2 if a.s3_rtt is not None else 0
+        self.s3_endpoint = f"{hosts.addr(s3_host)}:{S3_PORT}"
         moto = Path(sys.executable).with_name("moto_server")
         argv = [str(moto)] if moto.exists() else [sys.executable, "-m", "moto.server"]
         log = open(root / "moto.log", "ab")
-        hosts.spawn(0, [*argv, "-H", hosts.addr(0), "-p", str(S3_PORT)], stdout=log,
+        hosts.spawn(s3_host, [*argv, "-H", hosts.addr(s3_host), "-p", str(S3_PORT)], stdout=log,
                     stderr=subprocess.STDOUT)
+        if a.s3_rtt is not None:
+            hosts.delay(s3_host, a.s3_rtt / 2)
         log.close()
         deadline = time.monotonic() + 60
         while not hosts.run_in(1, s3_up, self.s3_endpoint):
@@ -451,7 +460,8 @@ def row(case: str, unit: str, amount: float, t: dict[str, list[float]], base_nam
 
 
 def print_table(rows: list, a, console: Console) -> None:
-    t = Table(title=f"acache cluster: 2 hosts (netns + veth bridge), {a.engine}, moto S3 in host 0, "
+    where = "moto S3 in host 0" if a.s3_rtt is None else f"moto S3 in host 2 at {a.s3_rtt:g} ms RTT"
+    t = Table(title=f"acache cluster: 2 hosts (netns + veth bridge), {a.engine}, {where}, "
                     f"part {a.part_size // MiB} MiB x {a.concurrency}, {a.upload_concurrency} files "
                     f"in parallel; median of {a.repeat} ({os.cpu_count()} CPUs)")
     for col in ("case", "acache", "baseline", "ratio", "goal"):
@@ -481,7 +491,7 @@ def main(argv=None) -> int:
         big = make_file(src / "big.bin", a.big)
         small = [make_file(src / "small" / f"s{i:05d}.bin", a.small_size) for i in range(a.small)]
         os.sync()
-        with Hosts(2, tag="bc") as hosts:
+        with Hosts(3 if a.s3_rtt is not None else 2, tag="bc") as hosts:
             cluster = Cluster(a, base, hosts, console)
             log(f"cluster up: head a (pid {cluster.pids['a']}), member b (pid {cluster.pids['b']})")
             if "read" in a.cases:

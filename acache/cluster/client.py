@@ -86,7 +86,7 @@ class ClientVFS:
         # holder -> (monotonic time it is tried again, its incarnation when it failed)
         self._unreachable: dict[str, tuple[float, object]] = {}
         # incarnation(node): a value that changes when the node restarts, None while it is
-        # down or unknown (acache.cluster.member: its registered start time while alive)
+        # down or unknown (acache.cluster.member: the value of its alive key, a lease id)
         self.incarnation = incarnation
         cache.evict_hook = self._evict
 
@@ -252,7 +252,7 @@ class ClientVFS:
                     # it just failed a request (the transport waited its whole timeout then):
                     # the next chunks, and the kernel's re-reads, fail at once instead of
                     # each waiting that long again
-                    if persisted is not None:
+                    if persisted is not None and self._still_there(ino, gen, persisted):
                         return self.under.read(persisted, off, n)
                     raise FsError(errno.EIO, f"reading inode {ino}: its holder {holder} did "
                                   "not answer a moment ago")
@@ -264,7 +264,7 @@ class ClientVFS:
                 except PeerUnavailable as e:
                     self._unreachable[holder] = (time.monotonic() + UNREACHABLE_FOR,
                                                  self._incarnation(holder))
-                    if persisted is not None:
+                    if persisted is not None and self._still_there(ino, gen, persisted):
                         log.warning("reading inode %d from %s failed: %s; reading it from the "
                                     "under-storage (%s)", ino, holder, e, persisted)
                         return self.under.read(persisted, off, n)
@@ -289,6 +289,17 @@ class ClientVFS:
         if upath is not None:
             return lambda off, n: self.under.read(upath, off, n)
         return None
+
+    def _still_there(self, ino: int, gen: int, upath: str) -> bool:
+        """Whether the under-storage still holds generation ``gen`` of ``ino`` at ``upath``
+        (asked of the head before each such read: since the open, another file may have
+        been renamed over that path and persisted, or the file rewritten)."""
+        try:
+            src = self.ns("source", ino=ino)
+        except (FsError, UnderStoreError) as e:
+            log.debug("inode %d: where its generation %d is: %s", ino, gen, e)
+            return False
+        return bool(src.get("persisted")) and src.get("gen") == gen and src.get("upath") == upath
 
     def _incarnation(self, node: str) -> object:
         if self.incarnation is None:

@@ -368,6 +368,12 @@ class HeadVFS(VFS):
             txn.save(node)
             txn.commit(sync=True)
 
+    def source(self, ino: int) -> dict:
+        """Where the current generation of ``ino`` is (no read session: a reader checking,
+        before it reads the under-storage instead of a silent holder, that it still may)."""
+        with self.lock:
+            return self._source(self._node(ino))
+
     def open_read(self, ino: int, holder: str) -> dict:
         with self.lock:
             node = self._node(ino)

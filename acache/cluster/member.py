@@ -682,6 +682,9 @@ class _Head:
     def op_open_write(self, frm, a):
         return self.vfs.open_write(a["ino"], bool(a["trunc"]), frm, self._place(a))
 
+    def op_source(self, frm, a):
+        return self.vfs.source(a["ino"])
+
     def op_open_read(self, frm, a):
         return self.vfs.open_read(a["ino"], frm)
 

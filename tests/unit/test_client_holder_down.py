@@ -41,9 +41,20 @@ class Peer:
         return self.lease if self.up else None
 
 
-def _vfs(peer: Peer) -> tuple[ClientVFS, MemStore]:
+class Head:
+    """The head's answer to ``source``: where the file's current generation is now."""
+
+    def __init__(self) -> None:
+        self.now: dict = {}
+
+    def __call__(self, op: str, **args) -> dict:
+        assert op == "source" and args == {"ino": 7}, (op, args)
+        return self.now
+
+
+def _vfs(peer: Peer, head: Head | None = None) -> tuple[ClientVFS, MemStore]:
     under = MemStore("mem://t")
-    vfs = ClientVFS("n2", types.SimpleNamespace(), under, lambda *a, **k: {}, peer,
+    vfs = ClientVFS("n2", types.SimpleNamespace(), under, head or Head(), peer,
                     incarnation=peer.incarnation)
     return vfs, under
 
@@ -90,14 +101,22 @@ def test_the_same_incarnation_stays_shunned():
 
 
 def test_a_dead_holders_persisted_generation_is_read_from_the_under_storage():
-    peer = Peer()
-    vfs, under = _vfs(peer)
+    peer, head = Peer(), Head()
+    vfs, under = _vfs(peer, head)
     under.state.files["d/f"] = (DATA, 0.0)
-    read = vfs._reader(_src(upath="d/f", persisted=True), 7)
+    head.now = _src(upath="d/f", persisted=True)
+    read = vfs._reader(head.now, 7)
     assert bytes(read(0, 100)) == DATA[:100]          # the holder refused: the under-storage
     assert bytes(read(500, 100)) == DATA[500:600]     # in the window too
+    # since the open, another generation (or another file renamed over the path) went up
+    # there: the head no longer says so, and the read fails instead of mixing files
+    head.now = _src(upath="d/f", persisted=True, gen=4)
+    with pytest.raises(FsError) as ei:
+        read(600, 100)
+    assert ei.value.errno == errno.EIO
     # an older generation at upath (a newer one not yet persisted) is never read there
-    read = vfs._reader(_src(upath="d/f", persisted=False), 7)
+    head.now = _src(upath="d/f", persisted=False)
+    read = vfs._reader(head.now, 7)
     with pytest.raises(FsError) as ei:
         read(0, 100)
     assert ei.value.errno == errno.EIO
