@@ -49,8 +49,11 @@ def node(tmp_path):
 
 
 def test_status_watch_plain_lines_until_sigint(node):
+    # SIGINT back to its default in the child: a test run started in the background of a
+    # non-interactive shell inherits SIGINT ignored, and Python then keeps it ignored
     p = subprocess.Popen([*ACACHE, "status", "--watch", "--interval", "0.3"], env=node.env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = read_lines(p.stdout, 1, time.monotonic() + 30)
         (node.mnt / "f").write_bytes(os.urandom(MiB))
