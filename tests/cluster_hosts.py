@@ -264,16 +264,6 @@ class Hosts:
                 _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                      "burst", str(max(_bits(rate) // 8000, 256 << 10)), "latency", "100ms")
 
-    def delay(self, host: int, ms: float | None) -> None:
-        """Add ``ms`` of one-way delay to ``host``'s link in each direction (netem on its eth0
-        and on its bridge port: a round trip to it takes 2 x ms more); None removes it."""
-        for ns, dev in ((self.names[host], "eth0"), (self.hub, f"p{host}")):
-            if ms is None:
-                _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
-            else:
-                _run("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "netem", "delay",
-                     f"{ms}ms", "limit", "100000")
-
     # -- etcd --------------------------------------------------------------------------------
     def etcd(self, root: Path, on: list[int], start: bool = True) -> EtcdCluster:
         """An etcd cluster with one member on each host in ``on`` (at ADDR:2379, peers :2380),

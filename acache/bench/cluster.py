@@ -3,8 +3,8 @@ against the baseline each case would have without acache, measured in the same r
 
     host 0 (10.214.0.1)   etcd, moto's S3 server, node "a": the head (started first)
     host 1 (10.214.0.2)   node "b": a plain member
-    host 2 (10.214.0.3)   with ``--s3-rtt MS`` only: moto, behind a link with MS of round trip
-                          (moto then is not in host 0)
+    host 2 (10.214.0.3)   with ``--s3-rtt MS`` only: moto, behind a proxy that adds MS of
+                          round trip (tests/delay_proxy.py; moto then is not in host 0)
     root namespace        node "e": an embedded (RocksDB) single-host node; the bench itself
 
 Cases, each rep interleaving acache with its baseline (order rotated from rep to rep):
@@ -76,9 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="persist: the writers are ranks, alternately on A and on B, writing rounds "
                          "of one file each and closing them at one moment (a DCP step's shards)")
     ap.add_argument("--s3-rtt", type=float, default=None, metavar="MS",
-                    help="run moto in a host of its own whose link adds MS of round-trip time "
-                         "(tc netem), so the head's uploads and the direct baseline's both cross a "
-                         "link to S3, as to a real region (default: moto in host 0, no delay)")
+                    help="run moto in a host of its own, behind a proxy that adds MS of round-trip "
+                         "time (tests/delay_proxy.py: this kernel has no netem), so the head's "
+                         "uploads and the direct baseline's both cross a far link to S3, as to a "
+                         "real region (default: moto in host 0, no delay)")
     ap.add_argument("--closes", type=int, default=2000, help="files per closes rep (default 2000)")
     ap.add_argument("--rates", default="none,2gbit",
                     help="links of the read case: none (the bare veth) and/or tc rates")
@@ -278,10 +279,17 @@ class Cluster:
         moto = Path(sys.executable).with_name("moto_server")
         argv = [str(moto)] if moto.exists() else [sys.executable, "-m", "moto.server"]
         log = open(root / "moto.log", "ab")
-        hosts.spawn(s3_host, [*argv, "-H", hosts.addr(s3_host), "-p", str(S3_PORT)], stdout=log,
-                    stderr=subprocess.STDOUT)
-        if a.s3_rtt is not None:
-            hosts.delay(s3_host, a.s3_rtt / 2)
+        if a.s3_rtt is None:
+            hosts.spawn(s3_host, [*argv, "-H", hosts.addr(s3_host), "-p", str(S3_PORT)],
+                        stdout=log, stderr=subprocess.STDOUT)
+        else:
+            # moto on host 2's loopback, reached through a proxy that delays each direction
+            # by half the round trip (this kernel has no netem: tests/delay_proxy.py)
+            hosts.spawn(s3_host, [*argv, "-H", "127.0.0.1", "-p", str(S3_PORT + 1)],
+                        stdout=log, stderr=subprocess.STDOUT)
+            hosts.spawn(s3_host, [sys.executable, "-m", "tests.delay_proxy", self.s3_endpoint,
+                                  f"127.0.0.1:{S3_PORT + 1}", f"{a.s3_rtt / 2:g}"],
+                        stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 60
         while not hosts.run_in(1, s3_up, self.s3_endpoint):
