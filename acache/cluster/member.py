@@ -482,8 +482,12 @@ class _Head:
         from acache.data.under.base import Attrs
         grace = getattr(under, "read_timeout", 60.0) + 30.0
         if hasattr(under, "staged_from"):
+            if not self._holder_serves(holder, "data.stage_file"):
+                return None
             return self._stage_file_elsewhere(e, holder, progress, grace)
         if not hasattr(under, "stage_parts") or not under.parts_elsewhere(e.size):
+            return None
+        if not self._holder_serves(holder, "data.stage_part"):
             return None
 
         def send_part(upload_id: str, number: int, offset: int, length: int) -> str:
@@ -509,6 +513,22 @@ class _Head:
         staged = self.member.under.staged_from(e.token, e.path, made)
         progress(e.size)
         return staged
+
+    def _holder_serves(self, holder: str, op: str) -> bool:
+        """Does ``holder`` serve ``op``?  Its handshake lists the ops it serves; a node of an
+        older acache (a rolling upgrade) that cannot stage is remembered, and its files are
+        copied here instead.  Unknown (the holder does not answer now): True, and the request
+        itself fails and is retried as usual."""
+        try:
+            ops = self.member.conn(holder).peer_capabilities.get("ops")
+        except (TransportError, OSError):
+            return True
+        if isinstance(ops, list) and op not in ops:
+            log.info("node %s does not serve %s (an older acache?): its files are copied to "
+                     "the head before they are staged", holder, op)
+            self._no_parts.add(holder)
+            return False
+        return True
 
     def _ask_holder(self, holder: str, op: str, args: dict, timeout: float, what: str) -> dict:
         """One stage request to a holder; any failure is a retryable UnderStoreError (a
