@@ -279,16 +279,14 @@ class Cluster:
         moto = Path(sys.executable).with_name("moto_server")
         argv = [str(moto)] if moto.exists() else [sys.executable, "-m", "moto.server"]
         log = open(root / "moto.log", "ab")
-        if a.s3_rtt is None:
-            hosts.spawn(s3_host, [*argv, "-H", hosts.addr(s3_host), "-p", str(S3_PORT)],
-                        stdout=log, stderr=subprocess.STDOUT)
-        else:
-            # moto on host 2's loopback, reached through a proxy that delays each direction
-            # by half the round trip (this kernel has no netem: tests/delay_proxy.py)
-            hosts.spawn(s3_host, [*argv, "-H", "127.0.0.1", "-p", str(S3_PORT + 1)],
-                        stdout=log, stderr=subprocess.STDOUT)
+        # with --s3-rtt, moto on host 2's loopback, reached through a proxy that delays each
+        # direction by half the round trip (this kernel has no netem: tests/delay_proxy.py)
+        moto_at = (hosts.addr(s3_host), S3_PORT) if a.s3_rtt is None else ("127.0.0.1", S3_PORT + 1)
+        hosts.spawn(s3_host, [*argv, "-H", moto_at[0], "-p", str(moto_at[1])], stdout=log,
+                    stderr=subprocess.STDOUT)
+        if a.s3_rtt is not None:
             hosts.spawn(s3_host, [sys.executable, "-m", "tests.delay_proxy", self.s3_endpoint,
-                                  f"127.0.0.1:{S3_PORT + 1}", f"{a.s3_rtt / 2:g}"],
+                                  f"{moto_at[0]}:{moto_at[1]}", f"{a.s3_rtt / 2:g}"],
                         stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 60

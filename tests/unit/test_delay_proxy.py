@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.s3server import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -30,15 +32,9 @@ def _echo_server() -> tuple[socket.socket, int]:
     return srv, srv.getsockname()[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_bytes_pass_intact_and_each_round_trip_takes_the_delay():
     srv, port = _echo_server()
-    listen = _free_port()
+    listen = free_port()
     p = subprocess.Popen([sys.executable, "-m", "tests.delay_proxy", f"127.0.0.1:{listen}",
                           f"127.0.0.1:{port}", "40"], cwd=REPO, stderr=subprocess.PIPE)
     try:
