@@ -103,7 +103,7 @@ class HeadVFS(VFS):
         self.ropens: dict[tuple[int, int], dict[str, int]] = {}
         self.pinned: dict[tuple[int, int], int] = {}   # old gens a writer copies from
         self._holder_of: dict[tuple[int, int], str] = {}   # superseded gens still held
-        self._wopen = self.writers       # what the barrier (Node._flush_wait) waits for
+        self._wopen = self.writers       # the inherited VFS code's view of the open writers
         # the write sessions of cacheless writers, by inode: the worker each was placed on,
         # and per worker how many are open (what bounds the next placement: placement.bounded)
         self.placed: dict[int, str] = {}

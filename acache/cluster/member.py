@@ -20,8 +20,10 @@ import queue
 import threading
 import time
 
+from acache.cluster import schema
 from acache.cluster.client import ClientVFS
 from acache.cluster.head import CallEdge, HeadVFS, attr_dict
+from acache.data import barrier
 from acache.errors import AcacheError, FsError, MetaError, UnderStoreError
 from acache.fs.types import Ctx
 from acache.net.transport import FileRegion, PeerUnavailable, RemoteError, Reply, TransportError
@@ -84,6 +86,7 @@ class Member:
             self.sessions = WriteSessions(self.vfs, cache)
             self.sessions.register(self.listener)
         self.listener.register("ns", self._serve_ns)
+        self.listener.advertise("ns_ops", schema.served())
         self.listener.start()
         caps = ("rdma",) if self.transport.name == "rdma" and getattr(self.transport, "dev", None) else ()
         if self.worker:
@@ -263,19 +266,24 @@ class Member:
         if head is None:
             raise OSError(ENOTHEAD, "not the head")
         try:
-            return head.call(str(meta["from"]), str(meta["op"]), meta.get("args") or {},
-                             str(meta.get("rid") or ""))
+            req = schema.decode(meta.get("op"), meta.get("args"))
+            return head.call(str(meta["from"]), req, str(meta.get("rid") or ""))
         except FsError as e:
             raise OSError(e.errno, str(e)) from None
         except MetaError as e:
             raise OSError(errno.EIO, str(e)) from None
 
     def ns(self, op: str, **args) -> dict:
+        """``call(schema.request(op, **args))``: the VFS's short form."""
+        return self.call(schema.request(op, **args))
+
+    def call(self, req: schema.Request) -> dict:
         """One namespace operation at the head, wherever it is (see the module docstring)."""
+        op, wire_args = schema.encode(req)
         deadline = time.monotonic() + self.stall
-        if op == "flush":   # the barrier waits as long as it was asked to, not stall_timeout:
-            wait = args.get("timeout")   # each try below still gives up on a silent head
-            deadline = math.inf if wait is None else deadline + wait
+        if isinstance(req, schema.Flush):   # the barrier waits as long as it was asked to, not
+            wait = req.timeout              # stall_timeout: each try below still gives up on a
+            deadline = math.inf if wait is None else deadline + wait    # silent head
         logged = False
         with self._lock:
             self._rid += 1
@@ -284,7 +292,7 @@ class Member:
             head = self.head
             if head is not None:
                 try:
-                    return head.call(self.node_id, op, args)
+                    return head.call(self.node_id, req)
                 except MetaError as e:
                     if self.head is head:
                         log.error("metadata operation %s failed: %s", op, e)
@@ -295,7 +303,7 @@ class Member:
                 if hid is not None and hid != self.node_id:
                     try:
                         reply, _ = self.conn(hid).request(
-                            "ns", {"from": self.node_id, "op": op, "args": args, "rid": rid},
+                            "ns", {"from": self.node_id, "op": op, "args": wire_args, "rid": rid},
                             timeout=max(1.0, min(deadline - time.monotonic(), self.stall)))
                         return reply
                     except RemoteError as e:
@@ -385,7 +393,7 @@ class Member:
     def _rejoin(self) -> None:
         files = [[ino, gen, size] for ino, (gen, size) in self.vfs.local_files().items()]
         try:
-            out = self.ns("rejoin", files=files)
+            out = self.call(schema.Rejoin(files=files))
         except FsError as e:
             log.error("rejoining the cluster's head failed (%s); cache files stay dirty", e)
             return
@@ -570,15 +578,17 @@ class _Head:
         self.cache.note(e.ino, e.gen, dirty=True)
 
     # -- the ops -------------------------------------------------------------------------------
-    def call(self, frm: str, op: str, a: dict, rid: str = "") -> dict:
-        """``rid``: the caller's id of this request; a request sent again (its reply was
+    def call(self, frm: str, req: schema.Request, rid: str = "") -> dict:
+        """One namespace operation (``req``, checked: acache.cluster.schema) asked by node
+        ``frm``.  ``rid``: the caller's id of this request; a request sent again (its reply was
         lost: a dropped connection) gets the first answer back instead of running twice
         (a second mkdir would say EEXIST).  Remembered for the last DONE_KEEP requests."""
-        op_fn = getattr(self, "op_" + op, None)
-        if op_fn is None:
+        op_fn = getattr(self, "op_" + req.op, None)
+        if op_fn is None:                # in the table, not handled here: a bug (test_schema)
             raise FsError(errno.ENOSYS)
+        a = req
 
-        def fn(frm: str, a: dict) -> dict:
+        def fn(frm: str, a: schema.Request) -> dict:
             return self.edge.run(op_fn, frm, a)
 
         if not rid:
@@ -620,123 +630,123 @@ class _Head:
         raise v
 
     @staticmethod
-    def _ctx(a: dict) -> Ctx:
-        return Ctx(**(a.get("ctx") or {}))
+    def _ctx(r) -> Ctx:
+        return Ctx(**(r.ctx or {}))
 
-    def op_lookup(self, frm, a):
-        return attr_dict(self.vfs.lookup(a["parent"], a["name"]))
+    def op_lookup(self, frm, r):
+        return attr_dict(self.vfs.lookup(r.parent, r.name))
 
-    def op_getattr(self, frm, a):
-        return attr_dict(self.vfs.getattr(a["ino"]))
+    def op_getattr(self, frm, r):
+        return attr_dict(self.vfs.getattr(r.ino))
 
-    def op_setattr(self, frm, a):
-        return attr_dict(self.vfs.setattr(a["ino"], self._ctx(a), None, mode=a.get("mode"),
-                                          uid=a.get("uid"), gid=a.get("gid"),
-                                          atime_ns=a.get("atime_ns"), mtime_ns=a.get("mtime_ns")))
+    def op_setattr(self, frm, r):
+        return attr_dict(self.vfs.setattr(r.ino, self._ctx(r), None, mode=r.mode,
+                                          uid=r.uid, gid=r.gid,
+                                          atime_ns=r.atime_ns, mtime_ns=r.mtime_ns))
 
-    def op_mkdir(self, frm, a):
-        return attr_dict(self.vfs.mkdir(a["parent"], a["name"], a["mode"], self._ctx(a)))
+    def op_mkdir(self, frm, r):
+        return attr_dict(self.vfs.mkdir(r.parent, r.name, r.mode, self._ctx(r)))
 
-    def op_symlink(self, frm, a):
-        return attr_dict(self.vfs.symlink(a["parent"], a["name"], a["target"], self._ctx(a)))
+    def op_symlink(self, frm, r):
+        return attr_dict(self.vfs.symlink(r.parent, r.name, r.target, self._ctx(r)))
 
-    def op_mknod(self, frm, a):
-        return attr_dict(self.vfs.mknod(a["parent"], a["name"], a["mode"], a["rdev"], self._ctx(a)))
+    def op_mknod(self, frm, r):
+        return attr_dict(self.vfs.mknod(r.parent, r.name, r.mode, r.rdev, self._ctx(r)))
 
-    def op_readlink(self, frm, a):
-        return {"target": self.vfs.readlink(a["ino"])}
+    def op_readlink(self, frm, r):
+        return {"target": self.vfs.readlink(r.ino)}
 
-    def op_unlink(self, frm, a):
-        self.vfs.unlink(a["parent"], a["name"])
+    def op_unlink(self, frm, r):
+        self.vfs.unlink(r.parent, r.name)
         return {}
 
-    def op_rmdir(self, frm, a):
-        self.vfs.rmdir(a["parent"], a["name"])
+    def op_rmdir(self, frm, r):
+        self.vfs.rmdir(r.parent, r.name)
         return {}
 
-    def op_rename(self, frm, a):
-        self.vfs.rename(a["parent_old"], a["name_old"], a["parent_new"], a["name_new"], a["flags"])
+    def op_rename(self, frm, r):
+        self.vfs.rename(r.parent_old, r.name_old, r.parent_new, r.name_new, r.flags)
         return {}
 
     READDIR_PAGE = 2000          # entries per reply: far below the transport's 1 MiB of meta
 
-    def op_readdir(self, frm, a):
+    def op_readdir(self, frm, r):
         """One page of a directory's entries from ``offset`` (``more``: ask again from ``next``)."""
-        fh = self.vfs.opendir(a["ino"])
+        fh = self.vfs.opendir(r.ino)
         try:
-            part = self.vfs.readdir(fh, int(a.get("offset", 0)))
+            part = self.vfs.readdir(fh, int(r.offset))
             page = part[:self.READDIR_PAGE]
             return {"entries": [[n, attr_dict(at)] for n, at, _ in page],
                     "next": page[-1][2] if page else 0, "more": len(part) > len(page)}
         finally:
             self.vfs.releasedir(fh)
 
-    def op_sync(self, frm, a):
+    def op_sync(self, frm, r):
         self.meta.sync()
         return {}
 
-    def op_getxattr(self, frm, a):
-        return {"value": self.vfs.getxattr(a["ino"], a["name"])}
+    def op_getxattr(self, frm, r):
+        return {"value": self.vfs.getxattr(r.ino, r.name)}
 
-    def op_setxattr(self, frm, a):
-        self.vfs.setxattr(a["ino"], a["name"], b"")
+    def op_setxattr(self, frm, r):
+        self.vfs.setxattr(r.ino, r.name, b"")
         return {}
 
-    def op_removexattr(self, frm, a):
-        self.vfs.removexattr(a["ino"], a["name"])
+    def op_removexattr(self, frm, r):
+        self.vfs.removexattr(r.ino, r.name)
         return {}
 
-    def _place(self, a):
+    def _place(self, r):
         """A cacheless writer's files go to a worker (acache.cluster.placement)."""
-        if not a.get("place"):
+        if not r.place:
             return None
         if not self.placement.workers():
             log.error("no live cache worker for a new file of a cacheless client: EIO")
             raise FsError(errno.EIO)
         return self.placement.choose
 
-    def op_create(self, frm, a):
-        return self.vfs.create_file(a["parent"], a["name"], a["mode"], a["flags"], self._ctx(a), frm,
-                                    self._place(a))
+    def op_create(self, frm, r):
+        return self.vfs.create_file(r.parent, r.name, r.mode, r.flags, self._ctx(r), frm,
+                                    self._place(r))
 
-    def op_open_write(self, frm, a):
-        return self.vfs.open_write(a["ino"], bool(a["trunc"]), frm, self._place(a))
+    def op_open_write(self, frm, r):
+        return self.vfs.open_write(r.ino, bool(r.trunc), frm, self._place(r))
 
-    def op_source(self, frm, a):
-        return self.vfs.source(a["ino"])
+    def op_source(self, frm, r):
+        return self.vfs.source(r.ino)
 
-    def op_open_read(self, frm, a):
-        return self.vfs.open_read(a["ino"], frm)
+    def op_open_read(self, frm, r):
+        return self.vfs.open_read(r.ino, frm)
 
-    def op_copied(self, frm, a):
-        self.vfs.copied(a["ino"], a["gen"])
+    def op_copied(self, frm, r):
+        self.vfs.copied(r.ino, r.gen)
         return {}
 
-    def op_close(self, frm, a):
-        self.vfs.close_write(a["ino"], a["gen"], frm, a["size"], a["mtime_ns"], a["ctime_ns"])
+    def op_close(self, frm, r):
+        self.vfs.close_write(r.ino, r.gen, frm, r.size, r.mtime_ns, r.ctime_ns)
         return {}
 
-    def op_reopen(self, frm, a):
-        self.vfs.reopen_write(a["ino"], a["gen"], frm)
+    def op_reopen(self, frm, r):
+        self.vfs.reopen_write(r.ino, r.gen, frm)
         return {}
 
-    def op_end_write(self, frm, a):
-        self.vfs.end_write(a["ino"], a["gen"], frm)
+    def op_end_write(self, frm, r):
+        self.vfs.end_write(r.ino, r.gen, frm)
         return {}
 
-    def op_end_read(self, frm, a):
-        self.vfs.end_read(a["ino"], a["gen"], frm)
+    def op_end_read(self, frm, r):
+        self.vfs.end_read(r.ino, r.gen, frm)
         return {}
 
-    def op_fsync(self, frm, a):
-        self.vfs.sync_write(a["ino"], a["gen"], frm, a["size"], a["mtime_ns"])
+    def op_fsync(self, frm, r):
+        self.vfs.sync_write(r.ino, r.gen, frm, r.size, r.mtime_ns)
         return {}
 
-    def op_evict(self, frm, a):
-        return {"ok": self.vfs.evict(a["ino"], a["gen"], frm)}
+    def op_evict(self, frm, r):
+        return {"ok": self.vfs.evict(r.ino, r.gen, frm)}
 
-    def op_rejoin(self, frm, a):
-        files = {int(ino): (int(gen), int(size)) for ino, gen, size in a.get("files", [])}
+    def op_rejoin(self, frm, r):
+        files = {int(ino): (int(gen), int(size)) for ino, gen, size in r.files}
         out = self.vfs.rejoin(frm, files)
         clean, drop = [], []
         with self.meta.lock:
@@ -753,13 +763,13 @@ class _Head:
         out.update(clean=clean, drop=drop)
         return out
 
-    def op_flush(self, frm, a):
-        from acache.node.daemon import Node
-        rel = a.get("path") or ""
+    def op_flush(self, frm, r):
         from acache.errors import FlushError
+        rel = r.path or ""
         self.meta.begin_barrier()
         try:
-            return Node._flush_wait(self, rel, a.get("timeout"), None, time.monotonic())
+            return barrier.wait(self.meta, self.persister, self.cache, self.vfs.writers, rel,
+                                r.timeout, None, time.monotonic())
         except FlushError as e:
             # an answer, not an error: the reason has to reach the asking node (an exception
             # here would reach it as a bare EIO), with the nodes whose data it waits for
@@ -778,19 +788,18 @@ class _Head:
         return (f"; waiting for node {', '.join(down)} (down), which holds unpersisted files"
                 if down else "")
 
-    _under = staticmethod(lambda path, rel: not rel or path == rel or path.startswith(rel + "/"))
 
-    def op_journal(self, frm, a):
-        total, entries = self.persister.entries(int(a.get("limit", 100)))
+    def op_journal(self, frm, r):
+        total, entries = self.persister.entries(int(r.limit))
         return {"total": total, "entries": entries}
 
-    def op_journal_skip(self, frm, a):
+    def op_journal_skip(self, frm, r):
         try:
-            return self.persister.skip(int(a["seq"]), str(a["reason"]))
+            return self.persister.skip(int(r.seq), str(r.reason))
         except AcacheError as e:
             raise FsError(errno.ENOENT, str(e)) from None
 
-    def op_status(self, frm, a):
+    def op_status(self, frm, r):
         """The cluster's persisting: queue, what each holder has unpersisted, and which node
         (if any) blocks it: the holder of the oldest entry when that node is down."""
         meta, p = self.meta, self.persister
@@ -817,7 +826,7 @@ class _Head:
                 self._blocked = ("", 0.0)
             cached_by: dict[str, int] = {}
             files = []
-            rel = a.get("path")
+            rel = r.path
             for n in meta.inodes():
                 if n.is_dir or n.nlink == 0:
                     continue
@@ -825,7 +834,7 @@ class _Head:
                     cached_by[n.node] = cached_by.get(n.node, 0) + 1
                 if rel is not None:
                     fp = meta.path_of(n.ino)
-                    if self._under(fp, rel):
+                    if barrier.under(fp, rel):
                         files.append({"path": fp, "holder": n.node if n.cached else "",
                                       "size": n.size, "gen": n.gen})
             # files of cacheless writers open for writing, per worker (what placement evens out)

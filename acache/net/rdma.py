@@ -313,6 +313,9 @@ class RdmaListener:
     def capabilities(self) -> dict:
         return self.tcp.capabilities
 
+    def advertise(self, key: str, value: object) -> None:
+        self.tcp.advertise(key, value)
+
     def register(self, op: str, handler: Handler, *, inline: bool = False) -> None:
         self.tcp.register(op, self._wrap(handler), inline=inline)
 

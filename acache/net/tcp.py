@@ -11,8 +11,9 @@ request id.  Bounded:
   * limits from the header before anything else is read; at most ``max_inflight`` requests
     per connection run at once (then the reader stops reading: TCP pushes back); request
     payloads held in memory are capped server-wide by ``payload_budget``;
-  * garbage (bad magic/version/flags, oversize, bad msgpack, unknown op) drops that
-    connection with one log line; everyone else is served on.
+  * garbage (bad magic/version/flags, oversize, bad msgpack) drops that connection with
+    one log line; everyone else is served on.  An op this node does not serve (a peer of
+    another version) fails with ENOSYS, that request only; the connection goes on.
 A reply payload may be a FileRegion: header and meta go out with sendmsg, the bytes with
 sendfile.  An ``inline`` handler runs on the connection's reader thread (one thread handoff
 less: ~30-40 us of a 4 KiB request here), and the connection reads nothing while it runs.

@@ -77,6 +77,7 @@ class TcpListener:
         bound = self.sock.getsockname()
         self.address = f"[{bound[0]}]:{bound[1]}" if family == socket.AF_INET6 else f"{bound[0]}:{bound[1]}"
         self.handlers: dict[str, Handler] = {}
+        self._extra: dict[str, object] = {}
         self._inline: set[str] = set()
         self._lock = threading.Lock()
         self._pending: dict[_ServerConn, None] = {}     # in the handshake, oldest first
@@ -89,7 +90,13 @@ class TcpListener:
 
     @property
     def capabilities(self) -> dict:
-        return {**self.t.capabilities, "ops": sorted(self.handlers), "idle_timeout": self.t.idle_timeout}
+        return {**self.t.capabilities, **self._extra, "ops": sorted(self.handlers),
+                "idle_timeout": self.t.idle_timeout}
+
+    def advertise(self, key: str, value: object) -> None:
+        """One more entry of the handshake this listener answers with (e.g. the namespace
+        ops a node serves: ``ns_ops``)."""
+        self._extra[key] = value
 
     def register(self, op: str, handler: Handler, *, inline: bool = False) -> None:
         self.handlers[op] = handler
@@ -207,6 +214,14 @@ class TcpListener:
             with c.send_lock:          # no reply is being sent (sendfile holds the fd number)
                 sock.close()
 
+    def _skip(self, c: _ServerConn, n: int, deadline: float) -> None:
+        """Read and drop ``n`` payload bytes (of a request that is not served)."""
+        scratch = memoryview(bytearray(min(n, _PIECE)))
+        while n > 0:
+            k = min(n, len(scratch))
+            self._recv(c, scratch[:k], deadline, "a request's payload")
+            n -= k
+
     def _recv(self, c: _ServerConn, buf: memoryview, deadline: float, what: str) -> None:
         """Fill ``buf`` before ``deadline`` (poll + non-blocking recv: the socket's own timeout
         is the send timeout of the replies)."""
@@ -251,7 +266,12 @@ class TcpListener:
                 raise _Drop(str(e))
             handler = self.handlers.get(op)
             if handler is None:
-                raise _Drop(f"unknown op {op!r}")
+                # a peer of another acache version asking what this one does not serve: that
+                # request fails (ENOSYS), the connection and its other requests go on
+                self._skip(c, h.payload_len, deadline)
+                log.info("peer %s: op %r is not served here: ENOSYS", c.peer, op)
+                self._send_error(c, h.rid, errno.ENOSYS, f"op {op!r} is not served by this node")
+                continue
             n = h.payload_len
             payload = bytearray()
             try:

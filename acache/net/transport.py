@@ -93,6 +93,9 @@ class Listener(Protocol):
         """``inline``: the handler never blocks (memory, page cache): it may run on the thread
         that reads the connection, saving a handoff; the connection waits while it runs."""
         ...
+    def advertise(self, key: str, value: object) -> None:
+        """One more entry of the handshake (``peer_capabilities`` on the other side)."""
+        ...
     def start(self) -> None: ...       # serve in background threads
     def close(self) -> None: ...       # stop accepting, drop every connection
 

@@ -11,8 +11,9 @@ import threading
 import time
 from pathlib import Path
 
+from acache.cluster import schema
 from acache.config import Settings, check_layout
-from acache.data import limit
+from acache.data import barrier, limit
 from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under import open_store
@@ -31,7 +32,6 @@ log = logging.getLogger("acache.node")
 # on a file not touched for a second.  A missing name is kept as long (a negative entry,
 # native engine): it can appear only through the mount too.
 NATIVE_ENTRY_TIMEOUT = 60.0
-FLUSH_SCAN_GAP = 0.02     # s: how often a waiting `flush --wait` looks at the journal, at most
 
 
 def _check_writable(path: Path, what: str) -> None:
@@ -245,7 +245,7 @@ class Node:
         rel = self.rel(path)
         if getattr(self, "member", None) is not None:      # the barrier is the head's, for the whole cluster
             try:
-                r = self.member.ns("flush", path=rel, timeout=timeout)
+                r = self.member.call(schema.Flush(path=rel, timeout=timeout))
             except FsError as e:
                 raise FlushError(f"the cluster's barrier failed: {e}") from None
             if not r.get("ok", True):
@@ -264,81 +264,10 @@ class Node:
             meta.end_barrier()
 
     def _flush_wait(self, rel: str, timeout: float | None, progress, t0: float) -> dict:
-        meta, p = self.meta, self.persister
-        with meta.lock:
-            target = meta.last_seq()
-            waiting_open = {ino for ino in self.vfs._wopen
-                            if meta.get(ino) is not None and meta.get(ino).nlink > 0
-                            and self._under(meta.path_of(ino), rel)}
-            # the entries to wait for, found once: each tick only drops those that landed
-            # (O(what this barrier waits for), not O(journal x jobs))
-            want = {e.seq: e for e in meta.journal() if e.touches(rel)}
-            want_bytes = sum(e.size for e in want.values())   # kept as entries come and go
-            failing = [s for s in p.failed if s in want]
-        p.hurry(target)
-        for s in failing:           # permanent errors are retried at once when asked
-            p.hurry(s)
-        total_bytes = None
-        hurried = t0
-        while True:
-            scanned = time.monotonic()
-            with meta.lock:
-                for ino in list(waiting_open):
-                    if ino not in self.vfs._wopen or meta.get(ino) is None:
-                        waiting_open.discard(ino)
-                        for e in meta.puts_of(ino):
-                            if e.touches(rel) and e.seq not in want:
-                                want[e.seq] = e
-                                want_bytes += e.size
-                        p.hurry(meta.last_seq())
-                for s in [s for s, e in want.items() if meta.entry(s) is not e]:
-                    want_bytes -= want.pop(s).size   # applied or cancelled, or carried on by
-                    n = meta.successor(s)   # another entry (a rename or a new close of what
-                    if n is not None and n.seq not in want:   # it held): the bytes written
-                        want[n.seq] = n                       # before the barrier are in it
-                        want_bytes += n.size
-                        p.hurry(n.seq)
-                # O(failed + running jobs) from here on: this runs under the lock the
-                # persister needs, every FLUSH_SCAN_GAP, while it works through ``want``
-                failed = [(want[s], msg) for s, msg in sorted(p.failed.items()) if s in want]
-                sent = sum(j.sent for s, j in list(p.jobs.items()) if s in want)
-                left = want_bytes - sent
-                if total_bytes is None:
-                    total_bytes = left
-                info = {"bytes_left": max(0, left), "files_left": len(want),
-                        "open_files": len(waiting_open), "total_bytes": total_bytes,
-                        "rate": p.rate(), "last_error": p.last_error}
-                if not want and not waiting_open:
-                    return {"ok": True, "seconds": time.monotonic() - t0,
-                            "lost_found": self.cache.lost_found()[0],
-                            "unacknowledged": sum(1 for n in meta.inodes() if n.local
-                                                  and self._under(meta.path_of(n.ino), rel))}
-                if failed and time.monotonic() - t0 > 1.0:
-                    e, msg = failed[0]
-                    raise FlushError(f"{e.op} {e.path} failed: {msg} ({len(want)} entries not "
-                                     "persisted; the data is kept and retried)")
-                if timeout is not None and time.monotonic() - t0 > timeout:
-                    what = f"{len(want)} journal entries ({max(0, left)} bytes)"
-                    if waiting_open:
-                        what += f" and {len(waiting_open)} files still open for writing"
-                    raise FlushError(f"timed out after {timeout:g}s: {what} not yet persisted"
-                                     + (f"; last error: {p.last_error}" if p.last_error else ""))
-                p.cond.wait(0.25)
-            # woken by every entry the persister applies: look again at most every
-            # FLUSH_SCAN_GAP, waiting outside the lock (a scan is O(what the barrier waits
-            # for) under the lock the mount and the persister need)
-            gap = time.monotonic() - scanned
-            if gap < FLUSH_SCAN_GAP:
-                time.sleep(FLUSH_SCAN_GAP - gap)
-            if time.monotonic() - hurried > 5.0:   # a waiting barrier: retry at least every 5 s
-                hurried = time.monotonic()          # (the backoff grows to 30 s), so the end of
-                p.hurry(target)                     # an outage is noticed soon
-            if progress is not None:
-                progress(info)
+        return barrier.wait(self.meta, self.persister, self.cache, self.vfs._wopen, rel,
+                            timeout, progress, t0)
 
-    @staticmethod
-    def _under(path: str, rel: str) -> bool:
-        return not rel or path == rel or path.startswith(rel + "/")
+    _under = staticmethod(barrier.under)
 
     # -- status ------------------------------------------------------------------------------
     def status(self, path: str | None = None) -> dict:
@@ -416,7 +345,7 @@ class Node:
         except MetaError as e:
             out["cluster"]["error"] = str(e)
         try:
-            h = m.ns("status", **({"path": self.rel(path)} if path else {}))
+            h = m.call(schema.Status(path=self.rel(path) if path else None))
         except FsError as e:
             h = {"error": f"the head does not answer: {e}"}
         out["cluster"].update(h)
@@ -434,7 +363,7 @@ class Node:
     # -- the journal, for the operator --------------------------------------------------------
     def journal(self, limit: int = 100) -> dict:
         if getattr(self, "member", None) is not None:      # the journal is the head's, wherever it runs
-            return self.member.ns("journal", limit=max(1, int(limit)))
+            return self.member.call(schema.Journal(limit=max(1, int(limit))))
         total, entries = self.persister.entries(max(1, int(limit)))
         return {"total": total, "entries": entries}
 
@@ -443,7 +372,7 @@ class Node:
             reason = (reason or "").strip()
             if not reason:
                 raise ConfigError("say why the entry is skipped: --reason \"...\"")
-            return self.member.ns("journal_skip", seq=int(seq), reason=reason)
+            return self.member.call(schema.JournalSkip(seq=int(seq), reason=str(reason)))
         reason = (reason or "").strip()
         if not reason:
             raise ConfigError("say why the entry is skipped: --reason \"...\"")

@@ -120,10 +120,11 @@ class NodeCollector:
 
     def _member(self, n) -> Iterator:
         """A cluster member: its cache and mount as above; the queue is the head's."""
+        from acache.cluster.schema import Status
         from acache.errors import AcacheError
         c, fetch, m = n.cache, n.vfs.fetch, n.member
         try:
-            h = m.ns("status")
+            h = m.call(Status())
         except AcacheError:
             h = None
         if h is not None:

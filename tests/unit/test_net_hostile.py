@@ -2,6 +2,7 @@
 and a server that stops mid-reply; the server keeps answering a good client throughout."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
@@ -16,7 +17,7 @@ import pytest
 
 from acache.net import auth, wire
 from acache.net.tcp import TcpTransport
-from acache.net.transport import AuthError, PeerUnavailable, ProtocolError, Reply
+from acache.net.transport import AuthError, PeerUnavailable, ProtocolError, RemoteError, Reply
 
 SECRET = b"the-cluster-secret-0123456789abcdef"
 OPTS = dict(timeout=2.0, connect_timeout=2.0, handshake_timeout=1.0, frame_timeout=1.0,
@@ -166,9 +167,6 @@ def _garbage(kind: str, rng: random.Random) -> tuple[bytes, bool]:
     if kind == "not-a-request":
         m = wire.encode_meta({"op": "echo"})
         return wire.pack_header(wire.REQUEST, 1, len(m)) + m, False
-    if kind == "unknown-op":
-        m = wire.encode_meta(["rm -rf", {}])
-        return wire.pack_header(wire.REQUEST, 1, len(m)) + m, False
     if kind == "truncated":
         return ok[:rng.randint(1, wire.HEADER - 1)], False      # then close
     if kind == "half-header":
@@ -180,7 +178,7 @@ def _garbage(kind: str, rng: random.Random) -> tuple[bytes, bool]:
 
 
 KINDS_AFTER = ["random", "magic", "version", "type", "flags", "huge-meta", "huge-payload",
-               "bad-msgpack", "not-a-request", "unknown-op", "truncated", "half-header", "half-payload"]
+               "bad-msgpack", "not-a-request", "truncated", "half-header", "half-payload"]
 
 
 def _rss() -> int:
@@ -282,7 +280,7 @@ def test_garbage_from_many_connections_while_a_good_client_is_served(server, cap
     # one log line per dropped connection, naming why
     drops = [r.getMessage() for r in caplog.records if "connection dropped" in r.getMessage()]
     assert drops and len(drops) <= sent["frames"]
-    for why in ("bad magic", "protocol version 9", "too large", "not msgpack", "unknown op"):
+    for why in ("bad magic", "protocol version 9", "too large", "not msgpack"):
         assert any(why in m for m in drops), why
     # everything hostile gets closed (timeouts); the good client is still served
     end = time.monotonic() + 10
@@ -292,6 +290,28 @@ def test_garbage_from_many_connections_while_a_good_client_is_served(server, cap
     assert lst.counts()["active"] <= good.stats()["streams"] and lst.counts()["pending"] == 0
     assert good.request("echo", {"after": 1}, b"z") == ({"after": 1}, b"z")
     good.close()
+
+
+def test_an_op_not_served_is_enosys_for_that_request_only(server):
+    """A peer of another acache version asks for an op this node does not serve: that
+    request fails with ENOSYS (its payload read and dropped), the connection serves on."""
+    lst = server()
+    conn = TcpTransport(SECRET, **{**OPTS, "streams": 1}).connect(lst.address)
+    for payload in (b"", os.urandom(300_000)):
+        with pytest.raises(RemoteError) as err:
+            conn.request("rm -rf", {"x": 1}, payload)
+        assert err.value.errno == errno.ENOSYS
+        assert conn.request("echo", {"after": len(payload)}, b"z") == ({"after": len(payload)}, b"z")
+    assert lst.dropped == 0
+    # a raw frame too: the reply is an ERROR frame for that request id, not a closed socket
+    s = _authed(lst)
+    m = wire.encode_meta(["no-such-op", {}])
+    s.sendall(wire.pack_header(wire.REQUEST, 7, len(m), 5) + m + b"12345")
+    s.settimeout(5)
+    hdr = s.recv(wire.HEADER, socket.MSG_WAITALL)
+    assert len(hdr) == wire.HEADER and hdr[5] == wire.ERROR, hdr
+    s.close()
+    conn.close()
 
 
 def test_handshake_slowloris_cannot_lock_out_new_peers(server):

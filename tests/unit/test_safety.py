@@ -174,7 +174,7 @@ def test_scoped_flush_does_not_rescan_the_journal_each_tick(tmp_path, monkeypatc
             return orig(self, prefix)
         monkeypatch.setattr(Entry, "touches", counting)
         fake = types.SimpleNamespace(meta=r.meta, persister=r.p, vfs=r.vfs, cache=r.cache,
-                                     rel=lambda path: path, _under=Node._under)
+                                     rel=lambda path: path)
         fake._flush_wait = lambda *a: Node._flush_wait(fake, *a)
         res = Node.flush(fake, "b", 60)       # waits behind the 40 commits of a/
         assert res["ok"] and r.files()["b/last"] == b"y"
