@@ -40,39 +40,19 @@ import re
 import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields, replace
-from fractions import Fraction
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from acache import units
 from acache.errors import ConfigError
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
-          "tib": 1 << 40}
 S3_KEYS = {"endpoint", "region", "access_key", "secret_key", "session_token", "addressing",
            "part_size", "multipart_threshold", "concurrency", "content_md5", "verify_tls",
            "connect_timeout", "read_timeout"}
 
 
-class _Bad(ValueError):
-    """A value that cannot be used; the message says why (the caller names key and source)."""
-
-
-def _size(value: object) -> int:
-    """'20GiB' / '512m' / 1048576 -> bytes: a whole number of bytes, never a bool or a fraction."""
-    if isinstance(value, bool):
-        raise _Bad("expected a size (e.g. 20GiB, 512MiB), not a boolean")
-    if isinstance(value, int):
-        if value < 0:
-            raise _Bad("a size cannot be negative")
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise _Bad("cannot read it as a size (e.g. 20GiB, 512MiB, or a whole number of bytes)")
-    n = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
-    if n.denominator != 1:
-        raise _Bad("not a whole number of bytes (a size without a unit is in bytes)")
-    return int(n)
+_Bad = units.Bad          # the settings' own names for the shared size syntax
+_size = units.size
 
 
 def parse_size(value: object, what: str = "size") -> int:

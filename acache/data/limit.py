@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from acache import units
+
 MIN_BURST = 1 << 20
 
 
@@ -33,7 +35,6 @@ class LimitError(ValueError):
 
 def _rate(text: str) -> float | None:
     """'100MiB/s' / '1048576' / 'off' -> bytes per second (None: no limit)."""
-    from acache.config import _Bad     # the size syntax of the settings (units: KiB, MiB...)
     t = text.strip()
     if t.lower() in ("off", "unlimited", "none"):
         return None
@@ -41,21 +42,12 @@ def _rate(text: str) -> float | None:
     if not re.fullmatch(r"\s*\d+(\.\d+)?\s*[a-zA-Z]*\s*", num):
         raise LimitError(f"{text!r} is not a rate (e.g. 200MiB/s, or off)")
     try:
-        v = _size_fraction(num)
-    except _Bad:
+        v = units.size_rounded(num)
+    except units.Bad:
         raise LimitError(f"{text!r} is not a rate (e.g. 200MiB/s, or off)") from None
     if v <= 0:
         raise LimitError(f"{text!r}: a rate must be above 0 (say off for no limit)")
     return float(v)
-
-
-def _size_fraction(num: str) -> int:
-    """'1.5GiB' -> bytes, rounded (a rate need not be a whole number of bytes)."""
-    from acache.config import _UNITS, _Bad
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", num)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise _Bad("not a size")
-    return round(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 @dataclass(frozen=True)

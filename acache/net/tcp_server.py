@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from acache.errors import AcacheError
 from acache.net import auth, wire
-from acache.net.tcp import _TIMEOUTS, _errno_of, _kernel_timeouts, _tune, _why, log
+from acache.net.sock import _TIMEOUTS, _errno_of, _kernel_timeouts, _tune, _why, log
 from acache.net.transport import AuthError, FileRegion, FrameError, Handler, Reply, TransportError
 
 if TYPE_CHECKING:
