@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from acache.errors import FsError, UnderStoreError
+from acache.fs.api import Base
 from acache.fs.files import _libc, check_fallocate
 from acache.fs.types import Attr, Ctx, StatFs
 from acache.fs.vfs import NAME_MAX
@@ -60,7 +61,7 @@ class _Writing:
     active: set = field(default_factory=set)      # ... not yet closed (FLUSH)
 
 
-class ClientVFS:
+class ClientVFS(Base):
     shared = True          # the mount engines: other hosts change this namespace too
 
     def __init__(self, node_id: str, cache, under, ns: Callable[..., dict],

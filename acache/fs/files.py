@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from acache.errors import AcacheError, FsError
+from acache.fs.api import Base
 from acache.meta import journal
 from acache.meta.store import Inode
 
@@ -48,7 +49,7 @@ class Handle:
     closed: bool = False          # FLUSH seen (close(2) of one of its fds)
 
 
-class FileOps:
+class FileOps(Base):
     """Mixed into VFS; uses self.meta, self.cache, self.persister, self.fetch, self.lock."""
 
     def _init_files(self) -> None:

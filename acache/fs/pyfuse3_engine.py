@@ -63,8 +63,8 @@ class Ops(pyfuse3.Operations):
         self._record = self.stats.shard().record
         # optional VFS fast paths (answers from memory, on the trio thread: a thread hop
         # costs more than the lookup)
-        self._lookup_fast = getattr(vfs, "lookup_fast", None)
-        self._getattr_fast = getattr(vfs, "getattr_fast", None)
+        self._lookup_fast = vfs.lookup_fast
+        self._getattr_fast = vfs.getattr_fast
 
     @staticmethod
     def _inline(fn, *args):
@@ -104,12 +104,10 @@ class Ops(pyfuse3.Operations):
 
     async def _after_failure(self, e: BaseException) -> None:
         """Undo what a failed operation changed in memory without committing it."""
-        undo = getattr(self.vfs, "after_failure", None)
-        if undo is not None:
-            try:
-                await trio.to_thread.run_sync(undo, e, limiter=self.limiter)
-            except Exception:
-                log.exception("undoing what a failed %s changed", type(e).__name__)
+        try:
+            await trio.to_thread.run_sync(self.vfs.after_failure, e, limiter=self.limiter)
+        except Exception:
+            log.exception("undoing what a failed %s changed", type(e).__name__)
 
     async def lookup(self, parent_inode, name, ctx=None):
         a = self._inline(self._lookup_fast, parent_inode, name)   # memory only: no hop
@@ -157,7 +155,7 @@ class Ops(pyfuse3.Operations):
 
     async def open(self, inode, flags, ctx):
         fh = await self._call(self.vfs.open, inode, flags, _ctx(ctx))
-        if getattr(self.vfs, "shared", False):
+        if self.vfs.shared:
             # other hosts change files too (acache.cluster): close-to-open means this open
             # sees their size, so the kernel's cached attributes go (not its pages)
             try:

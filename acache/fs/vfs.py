@@ -34,6 +34,7 @@ def _now() -> int:
 
 
 class VFS(FileOps):
+    ordered_closes = True    # closes that overlapped may commit together (acache.fs.overlap)
     def __init__(self, meta: MetaStore, cache: CacheDir, under: UnderStore, persister: Persister,
                  *, chunk_size: int = 8 << 20) -> None:
         self.meta, self.cache, self.under, self.persister = meta, cache, under, persister

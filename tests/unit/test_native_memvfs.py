@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from acache.errors import FsError
 from acache.fs.native import proto
+from acache.fs.api import Base
 from acache.fs.types import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, STATE_XATTR,
                              UTIME_NOW, Attr, Ctx, StatFs)
 
@@ -51,7 +52,7 @@ class Handle:
     flags: int
 
 
-class MemVFS:
+class MemVFS(Base):
     def __init__(self, backing_dir: str, *, passthrough: bool = True,
                  cow_on_write: bool = False):
         # cow_on_write: like acache's VFS, a write open of a file that others hold open

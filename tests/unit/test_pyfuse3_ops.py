@@ -9,9 +9,10 @@ import trio
 
 from acache.fs.pyfuse3_engine import Ops
 from acache.fs.types import STATE_XATTR
+from acache.fs.api import Base
 
 
-class CountingVFS:
+class CountingVFS(Base):
     """Records every call; getxattr answers like the VFS does for the state name."""
 
     def __init__(self) -> None:

@@ -65,7 +65,7 @@ class NativeEngine:
             _mount.mount_fuse(devfd, self.mountpoint, fsname=self.fsname)
             self._mounted = True
             session = Session(devfd, {}, threads=self.threads, bufsize=(1 << 20) + 4096)
-            session.on_failure = getattr(self.vfs, "after_failure", session.on_failure)
+            session.on_failure = self.vfs.after_failure
             self.init = res = session.handshake(self._negotiate)
             self._conn = _mount.mount_dev(self.mountpoint)
             self.passthrough_active = res.passthrough and connection_has_passthrough(devfd)

@@ -46,20 +46,14 @@ class Ops:
         self.table = table
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
-        self._fsyncdir = getattr(vfs, "fsyncdir", None)     # optional VFS capabilities
-        self._mknod = getattr(vfs, "mknod", None)
-        self._handle_ino = getattr(vfs, "handle_ino", None)
         # a namespace other hosts change too (acache.cluster): no kept directory listings,
-        # attributes dropped at every open
-        self.shared = bool(getattr(vfs, "shared", False))
+        # attributes dropped at every open (acache.fs.api: what a VFS offers)
+        self.shared = bool(vfs.shared)
         self.inval_attr = None
-        self._symlink = getattr(vfs, "symlink", None)
-        self._fallocate = getattr(vfs, "fallocate", None)
         self.drop_pages = None      # set by the engine: the kernel's pages of an inode dropped
         # closes that overlapped in time may commit in parallel (acache.fs.overlap); one
         # host's journal only (a cluster's head orders the closes it is sent)
-        self.overlap = Overlap() if hasattr(vfs, "meta") and hasattr(vfs.meta, "op") \
-            and not self.shared else None
+        self.overlap = Overlap() if vfs.ordered_closes and not self.shared else None
         self._dirs: dict[int, tuple[int, list]] = {}        # fh -> (next vfs offset, rest)
         self._dirs_lock = threading.Lock()
         self._open_dirs: set[int] = set()
@@ -172,25 +166,15 @@ class Ops:
         if not stat.S_ISREG(mode):
             raise FsError(errno.EPERM)
         name = _name(req.body[proto.MKNOD_IN.size:])
-        if self._mknod is not None:
-            a = self._mknod(req.nodeid, name, mode, _rdev, req.ctx(umask))
-        else:
-            fh, a = self.vfs.create(req.nodeid, name, mode,
-                                    os.O_CREAT | os.O_EXCL | os.O_WRONLY, req.ctx(umask))
-            self.vfs.flush(fh)
-            self.vfs.release(fh)
+        a = self.vfs.mknod(req.nodeid, name, mode, _rdev, req.ctx(umask))
         return Reply(self._entry(a), self._forget_one(a.ino))
 
     def symlink(self, req: Request):
-        if self._symlink is None:
-            raise FsError(errno.EPERM)
         name, target = proto.split_names(req.body, 2)   # FUSE_SYMLINK: name, then target
-        a = self._symlink(req.nodeid, name, target, req.ctx())
+        a = self.vfs.symlink(req.nodeid, name, target, req.ctx())
         return Reply(self._entry(a), self._forget_one(a.ino))
 
     def readlink(self, req: Request):
-        if self._symlink is None:
-            raise FsError(errno.EINVAL)
         return self.vfs.readlink(req.nodeid)
 
     def unlink(self, req: Request):
@@ -351,7 +335,7 @@ class Ops:
     def release(self, req: Request):
         fh = proto.RELEASE_IN.unpack_from(req.body)[0]
         served = not self.table.is_passthrough(fh)
-        ino = self._handle_ino(fh) if self._handle_ino is not None else None
+        ino = self.vfs.handle_ino(fh)
         try:
             self.vfs.release(fh)
         finally:
@@ -373,9 +357,7 @@ class Ops:
         for any open for writing.  What it does not do is EOPNOTSUPP, never ENOSYS: that
         would disable fallocate for the whole mount."""
         fh, offset, length, mode, _ = proto.FALLOCATE_IN.unpack_from(req.body)
-        if self._fallocate is None:
-            raise FsError(errno.EOPNOTSUPP)
-        self._fallocate(fh, mode, offset, length)
+        self.vfs.fallocate(fh, mode, offset, length)
         return b""
 
     # --- directories -----------------------------------------------------------------------
@@ -405,9 +387,8 @@ class Ops:
         return b""
 
     def fsyncdir(self, req: Request):
-        if self._fsyncdir is not None:
-            fh, flags, _ = proto.FSYNC_IN.unpack_from(req.body)
-            self._fsyncdir(fh, bool(flags & proto.FSYNC_FDATASYNC))
+        fh, flags, _ = proto.FSYNC_IN.unpack_from(req.body)
+        self.vfs.fsyncdir(fh, bool(flags & proto.FSYNC_FDATASYNC))
         return b""
 
     def _listing(self, req: Request):
