@@ -343,8 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = {}
         if a.local_s3:
-            from acache.bench.procs import Owned
-            from acache.bench.targets import S3Server
+            try:        # the benchmark harness (bench/ at the repository's top, not installed)
+                from bench.procs import Owned
+                from bench.targets import S3Server
+            except ImportError:
+                raise SystemExit("demo: --local-s3 needs the repository's bench/ package on the path "
+                                 "(run scripts/demo from a checkout)") from None
             owned = Owned()
             try:
                 srv = S3Server(root).start(owned)

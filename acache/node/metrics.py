@@ -34,7 +34,7 @@ from acache.fs.opstats import BOUNDS
 
 log = logging.getLogger("acache.metrics")
 
-# name, type, help: the list the README shows
+# name, type, help: the list docs/operations.md shows
 METRICS = [
     ("acache_node_info", "gauge", "1, labelled with the node's version, engine and under-storage"),
     ("acache_dirty_bytes", "gauge", "bytes in the cache not yet in the under-storage"),

@@ -392,7 +392,7 @@ def test_link_cut_of_holder_during_remote_read_eio_in_bound_then_reads_again(tmp
                 return False
         until(whole, 60, "the file reads whole again after link_up", every=0.5)
         say(f"link cut: reads work again {time.monotonic() - t_up:.1f}s after link_up")
-        # the stated bound (README): one request timeout (10 s) plus a reconnect's (5 s);
+        # the stated bound (docs/cluster.md): one request timeout (10 s) plus a reconnect's (5 s);
         # later chunks and the kernel's re-reads fail at once (ClientVFS.UNREACHABLE_FOR)
         assert took < 30, f"EIO only {took:.1f}s after the cut (bound: ~15 s)"
 

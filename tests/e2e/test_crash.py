@@ -569,7 +569,7 @@ class CrashRig:
             got = (self.node.mnt / p).read_bytes()
             assert got == ufs[p], f"{what}: {p} differs between the mount and the under-storage"
         # files open for writing at a kill and never fsynced stay on the mount, not
-        # published (README: a crash while a file is open for writing)
+        # published (docs/semantics.md: a crash while a file is open for writing)
         unacked = {f["path"] for f in self.node.status(str(self.node.mnt / "ckpt"))["files"]
                    if f["state"] == "unacknowledged"}
         mnt_top = sorted(n for n in os.listdir(self.node.mnt / "ckpt") if f"ckpt/{n}" not in unacked)

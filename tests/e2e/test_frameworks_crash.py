@@ -132,7 +132,7 @@ def test_kill9_during_save_and_persist(crash_node, tmp_path, framework):
             node.flush()
             mnt, ufs = tree(node.mnt / sub), tree(node.ufs_dir / sub)
             # a file open for writing at the kill and never fsynced stays on the mount,
-            # unpublished (README: a crash while a file is open for writing); the
+            # unpublished (docs/semantics.md: a crash while a file is open for writing); the
             # under-storage keeps what an earlier close of it acknowledged, if one did (a
             # marker rewritten at every save: Megatron's latest_checkpointed_iteration.txt
             # held "10" there while "20" was being written at the kill)

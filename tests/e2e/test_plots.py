@@ -38,7 +38,7 @@ def test_demo_plot_from_a_tiny_run(tmp_path):
 def test_bench_plot_from_a_tiny_run(tmp_path):
     _need_fuse()
     d = tmp_path / "plots"
-    p = subprocess.run([sys.executable, "-m", "acache.bench", "--cases", "6", "--meta-files", "20",
+    p = subprocess.run([sys.executable, "-m", "bench", "--cases", "6", "--meta-files", "20",
                         "--repeat", "1", "--engines", "native", "--no-s3", "--plot", str(d),
                         "--json", str(tmp_path / "r.json"), "--workdir", str(tmp_path / "w")],
                        env=_env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -51,7 +51,7 @@ def test_plot_without_matplotlib_is_one_line(tmp_path):
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
     for argv in (["-m", "acache.demo", "--plot", str(tmp_path / "x.png")],
-                 ["-m", "acache.bench", "--cases", "6", "--plot", str(tmp_path / "d")]):
+                 ["-m", "bench", "--cases", "6", "--plot", str(tmp_path / "d")]):
         p = subprocess.run([sys.executable, *argv], env=_env(str(tmp_path / "shim")),
                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
         lines = p.stderr.strip().splitlines()

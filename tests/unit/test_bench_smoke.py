@@ -82,7 +82,7 @@ def test_bench_smoke(tmp_path):
 def test_stressng_figure_is_its_bogo_ops_per_second_real_time():
     """Case 7 reports what issue 10 quoted: stress-ng's bogo-ops/s (real time) of the stressor
     asked for, read from its --yaml metrics."""
-    from acache.bench.stressng import _bogo_real
+    from bench.stressng import _bogo_real
     text = """---
 metrics:
     - stressor: open

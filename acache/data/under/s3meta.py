@@ -20,7 +20,7 @@ lists as a link (as it does for rclone).
 S3 listings carry no user metadata, so listing a directory asks for it: a HEAD per
 file and directory marker, a GET per link (the target), in parallel on a bounded
 pool (the store's concurrency + 4: the size of its HTTP connection pool).  It costs
-one request per entry, once per directory per cache: see the README for a figure.
+one request per entry, once per directory per cache: see docs/benchmarks.md for a figure.
 
 Keys that cannot be names in a mount ('.', '..' or empty segments, a segment over
 255 bytes, a NUL) are skipped with a warning, never mapped outside the prefix.

@@ -1,4 +1,4 @@
-"""The orchestrator's side of the checkpoint workers (acache.bench.ckpt_worker)."""
+"""The orchestrator's side of the checkpoint workers (bench.ckpt_worker)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import subprocess
 import sys
 import threading
 
-from acache.bench.procs import Owned
-from acache.bench.targets import free_port
+from bench.procs import Owned
+from bench.targets import free_port
 
 
 class WorkerError(RuntimeError):
@@ -28,7 +28,7 @@ class CkptWorkers:
     def start(self, timeout: float = 600) -> None:
         port = free_port()
         for rank in range(self.world):
-            argv = [sys.executable, "-m", "acache.bench.ckpt_worker", "--kind", self.kind,
+            argv = [sys.executable, "-m", "bench.ckpt_worker", "--kind", self.kind,
                     "--bytes", str(self.nbytes), "--rank", str(rank), "--world", str(self.world),
                     "--port", str(port)]
             p = self.owned.spawn(argv, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stores: list[tuple[str, str, dict]] = [("file://", f"file://{root / 'ufs'}", {})]
         if not a.no_s3:
-            from acache.bench.procs import Owned
-            from acache.bench.targets import S3Server
+            from bench.procs import Owned
+            from bench.targets import S3Server
             owned = Owned()
             (root / "s3").mkdir()
             srv = S3Server(root / "s3").start(owned)

@@ -32,9 +32,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from acache.bench.cluster import write_together
-from acache.bench.procs import Owned
-from acache.bench.targets import AcacheTarget, S3Server
+from bench.cluster import write_together
+from bench.procs import Owned
+from bench.targets import AcacheTarget, S3Server
 from acache.config import parse_size
 from acache.data.under.s3 import _DEFAULTS as S3_DEFAULTS
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from rich.console import Console
 
 from acache.config import parse_size
-from acache.bench import report
-from acache.bench.procs import Owned, fuse_mounts
+from bench import report
+from bench.procs import Owned, fuse_mounts
 
 ALL_CASES = (1, 2, 3, 4, 5, 6, 7)
 ENGINES = ("pyfuse3", "native", "native-nopt")   # native-nopt: native, passthrough = false
@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.meta_files < 1:
         ap.error("--meta-files must be >= 1")
     a.stressors = [x for x in a.stressors.replace(" ", "").split(",") if x]
-    from acache.bench.stressng import STRESSORS
+    from bench.stressng import STRESSORS
     if not a.stressors or not set(a.stressors) <= set(STRESSORS):
         ap.error(f"--stressors: choose from {','.join(STRESSORS)}")
     a.fio_size = a.fio_size or a.size
@@ -135,7 +135,7 @@ def _interrupt(signum, frame):
 
 
 def run(a: argparse.Namespace, console: Console) -> int:
-    from acache.bench.cases import Bench
+    from bench.cases import Bench
     if a.workdir:
         a.workdir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="acache-bench-", dir=a.workdir))

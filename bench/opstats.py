@@ -1,7 +1,7 @@
 """The cost of the FUSE request histogram on the hot path (acache.fs.opstats): what a
 native reader thread adds per request (two clock reads and Shard.record), and what the
 pyfuse3 wrapper adds per handler call (one more coroutine frame plus the same), each
-against the same loop without it.  python -m acache.bench.opstats"""
+against the same loop without it.  python -m bench.opstats"""
 from __future__ import annotations
 
 import time

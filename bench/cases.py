@@ -12,13 +12,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from acache.bench import fio
-from acache.bench.meta import LABELS as META_LABELS, OPS as META_OPS, run_meta
-from acache.bench import stressng
-from acache.bench.ckpt import CkptWorkers, WorkerError
-from acache.bench.procs import Owned, drop_caches
-from acache.bench.report import Measurement
-from acache.bench.targets import AcacheTarget, RcloneTarget, S3Server
+from bench import fio
+from bench.meta import LABELS as META_LABELS, OPS as META_OPS, run_meta
+from bench import stressng
+from bench.ckpt import CkptWorkers, WorkerError
+from bench.procs import Owned, drop_caches
+from bench.report import Measurement
+from bench.targets import AcacheTarget, RcloneTarget, S3Server
 
 MiB = 1 << 20
 PART, PARALLEL = 16 * MiB, 8     # acache's s3:// defaults, used for the direct upload too

@@ -1,7 +1,7 @@
 """A training-style process for the checkpoint-stall case (case 3).
 
-    python -m acache.bench.ckpt_worker --kind save --bytes N
-    python -m acache.bench.ckpt_worker --kind dcp --bytes N --rank R --world W --port P
+    python -m bench.ckpt_worker --kind save --bytes N
+    python -m bench.ckpt_worker --kind dcp --bytes N --rank R --world W --port P
 
 It builds a model-like state dict once (``--bytes`` in total; with DCP each rank holds its
 shard of every weight as a DTensor), prints ``BENCH {"ready": ...}``, then reads one JSON

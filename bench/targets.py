@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from acache.bench.procs import Owned, detach, is_mounted, stop_process, wait_for
+from bench.procs import Owned, detach, is_mounted, stop_process, wait_for
 
 MiB = 1 << 20
 

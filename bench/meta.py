@@ -9,7 +9,7 @@ of ``per_dir`` (1,000: the shape of a checkpoint, one directory per save).
     readdir  os.listdir of every directory, 5 times (each name listed counts as one op)
     unlink   every file
 
-Runnable alone: ``python -m acache.bench.meta DIR [N]`` prints the ops/s as JSON."""
+Runnable alone: ``python -m bench.meta DIR [N]`` prints the ops/s as JSON."""
 from __future__ import annotations
 
 import json

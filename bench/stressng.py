@@ -8,7 +8,7 @@ time) from its ``--yaml`` metrics.
     dentry   creates and unlinks many names (dentry cache churn)
     dir      mkdir/rmdir
 
-Runnable alone: ``python -m acache.bench.stressng DIR [SECONDS]`` prints the ops/s as JSON."""
+Runnable alone: ``python -m bench.stressng DIR [SECONDS]`` prints the ops/s as JSON."""
 from __future__ import annotations
 
 import json

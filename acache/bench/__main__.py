@@ -1,3 +1,0 @@
-from acache.bench.main import main
-
-main()

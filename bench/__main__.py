@@ -1,0 +1,3 @@
+from bench.main import main
+
+main()
