@@ -39,7 +39,7 @@ import os
 import re
 import tempfile
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -137,12 +137,6 @@ class Settings:
         st = os.statvfs(self.cache_path if self.cache_path.exists() else self.home)
         return st.f_blocks * st.f_frsize // 2
 
-    def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
-        d["home"] = str(self.home)
-        d["cache_dir"] = str(self.cache_path)
-        d["ufs"] = self.ufs_url
-        return d
 
 
 def _bool(value: object) -> bool:
@@ -154,13 +148,6 @@ def _bool(value: object) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise _Bad("expected true or false")
-
-
-def parse_bool(value: object, what: str) -> bool:
-    try:
-        return _bool(value)
-    except _Bad as e:
-        raise ConfigError(f"{what}: {e}, not {value!r}") from None
 
 
 def _number(value: object) -> float:
