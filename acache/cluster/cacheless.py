@@ -86,6 +86,9 @@ class CachelessVFS(ClientVFS):
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._rw: dict[int, _RWriting] = {}          # ino -> this node's write session
 
+    def passthrough_fd(self, fh: int, opening: bool = False) -> int | None:
+        return None      # no cache file here: every byte goes to or comes from a worker
+
     def _pool(self, holder: str) -> ThreadPoolExecutor:
         with self.lock:
             p = self._pools.get(holder)

@@ -59,6 +59,8 @@ class _Writing:
     fd: int
     handles: set = field(default_factory=set)     # write handles not yet released
     active: set = field(default_factory=set)      # ... not yet closed (FLUSH)
+    direct: bool = False          # the kernel writes its cache file itself (passthrough)
+    sig: tuple = ()               # (size, mtime_ns) the last close sent to the head
 
 
 class ClientVFS(Base):
@@ -220,7 +222,25 @@ class ClientVFS(Base):
         return any(h.ino == ino for h in list(self._handles.values()))
 
     def passthrough_fd(self, fh: int, opening: bool = False) -> int | None:
-        return None          # every byte through the daemon: a write's size is seen at close
+        """The cache fd the kernel may read and write directly for ``fh`` (FUSE passthrough),
+        or None: every byte through the daemon.  Writes: the size and mtime the head needs
+        come from fstat of the cache file at each close and fsync, as on one host; an
+        O_APPEND handle stays served (its end is this node's copy, not the kernel's idea),
+        and near the cache limit a new write open is served, whose writes wait for room.
+        Reads: a generation whole in this cache (not one being fetched or read live)."""
+        with self.lock:
+            h = self._handles.get(fh)
+            if h is None or h.live or h.fd < 0:
+                return None
+            if h.writable:
+                w = self._wopen.get(h.ino)
+                if h.append or w is None or (opening and not self.cache.roomy()):
+                    return None
+                w.direct = True
+                return h.fd
+            if h.complete or (h.ino, h.gen) in self._complete:
+                return h.fd
+            return None
 
     def journal_unjournaled(self) -> list[int]:
         return []
@@ -553,10 +573,25 @@ class ClientVFS(Base):
     def flush(self, fh: int) -> None:
         with self.lock:
             h = self._handles.get(fh)
-            if h is None or not h.writable or h.closed:
+            if h is None or not h.writable:
+                return
+            w = self._wopen.get(h.ino)
+            if h.closed:
+                # a FLUSH of a handle already closed once: a close(2) of the last descriptor
+                # after a dup's. Served writes reopened it (_written_after_close); the
+                # kernel's own (passthrough) did not tell: the cache file says
+                again = w is not None and w.direct and not w.active
+            else:
+                again = False
+        if again:
+            assert w is not None
+            with self._ino_lock(h.ino):
+                self._rejournal_direct(h, w)
+            return
+        with self.lock:
+            if h.closed:
                 return
             h.closed = True
-            w = self._wopen.get(h.ino)
             if w is None:
                 return
             w.active.discard(fh)
@@ -566,6 +601,7 @@ class ClientVFS(Base):
             try:
                 self.ns("close", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns,
                         ctime_ns=s.st_ctime_ns)
+                w.sig = (s.st_size, s.st_mtime_ns)
             except BaseException:
                 # not journaled at the head: the handle stays open, so the next FLUSH (the
                 # owner's close(2) after a forked child's exec sent this one) and RELEASE try
@@ -590,6 +626,7 @@ class ClientVFS(Base):
             self.ns("fsync", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns)
 
     def release(self, fh: int) -> None:
+        w: _Writing | None = None
         with self.lock:
             h = self._handles.pop(fh, None)
             if h is None:
@@ -606,6 +643,8 @@ class ClientVFS(Base):
         try:
             if h.writable and not h.closed:
                 self.flush_handle_on_release(h)
+            elif ended and w is not None and w.direct:
+                self._rejournal_direct(h, w)
             if ended:
                 with self._ino_lock(h.ino):
                     with self.lock:
@@ -618,6 +657,20 @@ class ClientVFS(Base):
             if not h.live:
                 self.cache.release(h.ino, h.gen, write=h.writable)
                 self._maybe_drop(h.ino, h.gen)
+
+    def _rejournal_direct(self, h: _Handle, w: _Writing) -> None:
+        """The session's last release, after the kernel wrote the cache file itself: writes
+        through a descriptor still open after the last FLUSH (a dup, a forked child) never
+        reached this daemon, so the cache file is compared with what the last close sent;
+        changed, it is journaled again (reopen + close) before the session ends."""
+        s = os.fstat(h.fd)
+        if (s.st_size, s.st_mtime_ns) == w.sig:
+            return
+        self.ns("reopen", ino=h.ino, gen=h.gen)
+        self.ns("close", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns,
+                ctime_ns=s.st_ctime_ns)
+        w.sig = (s.st_size, s.st_mtime_ns)
+        self.cache.note(h.ino, h.gen, dirty=True, size=s.st_blocks * 512)
 
     def flush_handle_on_release(self, h: _Handle) -> None:
         """A RELEASE without a FLUSH (the kernel sends FLUSH per close(2); a handle the

@@ -326,7 +326,8 @@ class Node:
         c, m = self.cache, self.member
         out = {"pid": os.getpid(), "uptime": time.time() - self.started,
                "mountpoint": self.mountpoint, "engine": self.engine_name,
-               "passthrough": False, "ufs": self.settings.ufs_url,
+               "passthrough": bool(self.engine and self.engine.passthrough_active),
+               "ufs": self.settings.ufs_url,
                "cache_dir": str(self.settings.cache_path), "cache_used": c.used(),
                "cache_limit": c.limit, "dirty_bytes": c.dirty_bytes(),
                "cache_limit_now": c.effective_limit(), "meta_reserve_held": self.reserve.held,
@@ -335,7 +336,8 @@ class Node:
                "read_copy_skipped_bytes": self.vfs.fetch.copy_skipped,
                "upload_limit": limit.describe(self.limiter.rate()),
                "upload_limit_setting": self.limiter.schedule.text,
-               "uploaded_bytes": self.limiter.taken, "fuse_requests": {},
+               "uploaded_bytes": self.limiter.taken,
+               "fuse_requests": getattr(self.engine, "op_counts", dict)(),
                "cluster": {"meta": self.settings.meta, "node": m.node_id, "address": m.address,
                            "placement": self.settings.placement}}
         out["lost_found_files"], out["lost_found_bytes"] = c.lost_found()
