@@ -21,6 +21,10 @@ Cases, each rep interleaving acache with its baseline (order rotated from rep to
              over the link, then uploads); vs the minio SDK uploading the same files from
              host 1 (fput_object with acache's part size and part concurrency, files in
              parallel like acache's stagers)
+    write    fio 256 KiB sequential writes with end_fsync (1 and 4 jobs, ``--write-size`` in
+             all) through A's mount (the head) and B's (a member), vs the same fio on a plain
+             directory of the disk the caches are on; with the native engine the kernel
+             writes the cache files itself (passthrough) on both
     closes   create + write 4 KiB + close of ``--closes`` files in one directory, one process:
              through E's mount (embedded), A's (cluster, head) and B's (cluster, over the
              peer transport to the head)
@@ -81,6 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "uploads and the direct baseline's both cross a far link to S3, as to a "
                          "real region (default: moto in host 0, no delay)")
     ap.add_argument("--closes", type=int, default=2000, help="files per closes rep (default 2000)")
+    ap.add_argument("--write-size", default="1GiB", help="bytes each write rep moves (default 1GiB)")
     ap.add_argument("--rates", default="none,2gbit",
                     help="links of the read case: none (the bare veth) and/or tc rates")
     ap.add_argument("--repeat", type=int, default=3)
@@ -92,6 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.big = parse_size(a.big, "--big")
     a.small_size = parse_size(a.small_size, "--small-size")
+    a.write_size = parse_size(a.write_size, "--write-size")
     a.cases = [c.strip() for c in a.cases.split(",") if c.strip()]
     a.rates = [r.strip() for r in a.rates.split(",") if r.strip()]
     from acache.config import Settings
@@ -438,6 +444,33 @@ def case_persist(c: Cluster, srcs: dict[str, list[Path]], rows: list, log) -> No
                         "direct minio upload from B", GOALS["persist"]))
 
 
+def case_write(c: Cluster, base: Path, rows: list, log) -> None:
+    """fio sequential writes through the head's and the member's mounts vs the raw disk."""
+    from bench.fio import run_fio
+    a = c.a
+    targets = {"raw disk": base / "raw-write", "cluster head (A)": c.nodes["a"].mnt,
+               "cluster member (B)": c.nodes["b"].mnt}
+    for jobs in (1, 4):
+        t: dict[str, list[float]] = {k: [] for k in targets}
+        p99: dict[str, list[float]] = {k: [] for k in targets}
+        for rep in range(a.repeat):
+            for what in rotated(rep, list(targets)):
+                d = targets[what] / f"fio-{jobs}-{rep}"
+                d.mkdir(parents=True)
+                r = run_fio(d, "write", a.write_size, jobs)
+                t[what].append(r["bytes"] / MiB / r["mib_s"])      # seconds: medians like the rest
+                p99[what].append(r["p99_ms"])
+                log(f"write {jobs} job(s) rep {rep + 1}: {what:20} {r['mib_s']:8.0f} MiB/s, "
+                    f"p99 {r['p99_ms']:.3f} ms")
+                shutil.rmtree(d)
+        for what in ("cluster head (A)", "cluster member (B)"):
+            rows.append(row(f"fio write 256 KiB, end_fsync, {jobs} job(s), {what}; p99 "
+                            f"{statistics.median(p99[what]):.3f} ms vs "
+                            f"{statistics.median(p99['raw disk']):.3f} ms raw", "MiB/s",
+                            a.write_size / MiB, {"acache": t[what], "base": t["raw disk"]},
+                            "raw disk", 0.95))
+
+
 def case_closes(c: Cluster, rows: list, log) -> None:
     a = c.a
     mounts = {"embedded": c.embedded, "cluster head (A)": c.nodes["a"], "cluster member (B)": c.nodes["b"]}
@@ -505,6 +538,8 @@ def main(argv=None) -> int:
             if "persist" in a.cases:
                 case_persist(cluster, {k: v for k, v in (("small", small), ("big", [big])) if v},
                              rows, log)
+            if "write" in a.cases:
+                case_write(cluster, base, rows, log)
             if "closes" in a.cases:
                 case_closes(cluster, rows, log)
         print_table(rows, a, Console(width=160))
