@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from typing import Callable
 from collections import OrderedDict
 
 from acache.errors import FsError
@@ -72,7 +73,7 @@ class CacheDir:
         self.dirty: set[tuple[int, int]] = set()           # files that may not be evicted
         self.lru: OrderedDict[int, int] = OrderedDict()    # clean ino -> gen, oldest first
         self.evict_hook = None                             # (ino, gen) -> bool: evict if still clean
-        self.on_stall = None                               # () -> None: writers wait, persist now
+        self.on_stall: Callable[[], None] | None = None    # writers wait: persist now
         self.stalls = 0                                    # writers that waited for room
         self.stall_seconds = 0.0                           # ... how long, all together
         self.enospc = 0                                    # ... and gave up (stall_timeout)

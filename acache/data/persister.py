@@ -36,6 +36,9 @@ log = logging.getLogger("acache.persister")
 RATE_WINDOW = 10.0         # s of history rate() keeps
 WINDOW = 256             # how far past the head staging may run
 
+# Persister.stage_elsewhere(entry, progress, on_token): the stage, or None when it cannot
+StageElsewhere = Callable[[Entry, Callable[[int], None], Callable[[str], None]], Staged | None]
+
 
 class _Aborted(Exception):
     pass
@@ -101,7 +104,7 @@ class Persister:
         self.pull: Callable[[Entry], None] | None = None
         # a cluster's head: stages a PUT from the node that holds its bytes, with no copy
         # here (S3 multipart: the holder sends the parts); None when it cannot (then: pull)
-        self.stage_elsewhere: Callable[..., object | None] | None = None
+        self.stage_elsewhere: StageElsewhere | None = None
         self._retry_at: dict[int, float] = {}   # seq -> self.clock() of the next try
         self._attempts: dict[int, int] = {}
         self.failed: dict[int, str] = {}        # seq -> permanent error message
@@ -245,11 +248,12 @@ class Persister:
                 timeout: float | None = None
                 try:
                     timeout = self._schedule()
-                except AcacheError as e:  # a metadata write failed (logged, undone): again soon
-                    self.last_error = f"scheduling uploads: {e}"
-                except Exception as e:   # a bug: never let the one persister thread die
+                except AcacheError as exc:  # a metadata write failed (logged, undone): soon again
+                    self.last_error = f"scheduling uploads: {exc}"
+                except Exception as exc:   # a bug: never let the one persister thread die
                     log.exception("scheduling uploads failed (retrying in 1 s)")
-                    self.last_error = f"internal error scheduling uploads: {type(e).__name__}: {e}"
+                    self.last_error = \
+                        f"internal error scheduling uploads: {type(exc).__name__}: {exc}"
                 inline, self._inline = self._inline, []    # (started before a failure too)
                 picks: list[tuple[Entry, Job | None]] = []
                 alongside = False
@@ -545,6 +549,7 @@ class Persister:
 
     def _apply(self, e: Entry, job: Job | None) -> None:
         if e.op == "put":
+            assert job is not None, "a PUT is picked with its job (_pick)"
             if job.error is not None:
                 err = job.error
                 with self.lock:
@@ -552,6 +557,7 @@ class Persister:
                 if isinstance(err, UnderStoreError):
                     raise err
                 raise UnderStoreError(f"staging {e.path}: {err}", retryable=True)
+            assert job.staged is not None, "a job that ended without an error has its stage"
             job.staged.commit()
         elif e.op == "rename":
             try:

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from acache.cluster import schema
 from acache.config import Settings, check_layout
@@ -23,6 +24,11 @@ from acache.fs.vfs import VFS
 from acache.meta.kv_rocks import RocksKV
 from acache.meta.reserve import Reserve
 from acache.meta.store import MetaStore
+
+if TYPE_CHECKING:
+    from acache.cluster.client import ClientVFS
+    from acache.cluster.member import Member
+    from acache.node.metrics import MetricsServer
 
 log = logging.getLogger("acache.node")
 # How long the kernel may keep a name -> inode answer. The namespace changes only through
@@ -42,6 +48,17 @@ def _check_writable(path: Path, what: str) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"{what} {path} is not usable: {e.strerror}") from None
+
+
+class _Engine(Protocol):
+    """What the node asks of a mount engine (NativeEngine, Pyfuse3Engine)."""
+    passthrough_active: bool
+
+    def start(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 class Node:
@@ -67,7 +84,10 @@ class Node:
         # the RocksDB stays where it always was (<cache>/meta: existing nodes keep theirs),
         # with a reserve of room on that filesystem for it (acache.meta.reserve)
         self.reserve = Reserve(str(settings.cache_path / "meta.reserve"), settings.meta_reserve)
-        self.member = None
+        self.member: Member | None = None
+        self.meta: MetaStore | None = None         # single node only (a member: the head's)
+        self.persister: Persister | None = None    # single node only
+        self.vfs: VFS | ClientVFS
         if settings.meta:
             self._start_member(settings)
         else:
@@ -78,31 +98,38 @@ class Node:
                         "less the %d MiB metadata reserve), not the %d MiB of cache_size",
                         self.cache.effective_limit() >> 20, settings.meta_reserve >> 20,
                         self.cache.limit >> 20)
-        self.engine = None
+        self.engine: _Engine | None = None
         self.engine_name = ""
         self.engine_why = ""
         self.mountpoint: str | None = None
         self.stopping = threading.Event()
-        self.metrics = None          # acache.node.metrics.MetricsServer, started by serve_metrics()
+        self.metrics: MetricsServer | None = None   # acache.node.metrics.MetricsServer, started by serve_metrics()
         log.info("node up: cache %s (limit %d bytes), under-storage %s, %s",
                  settings.cache_path, self.cache.limit, settings.ufs_url,
-                 f"{self.meta.journal_len()} journal entries pending" if self.meta is not None
-                 else f"member {self.member.node_id} of {settings.meta}")
+                 f"member {self.member.node_id} of {settings.meta}" if self.member is not None
+                 else f"{self._single()[0].journal_len()} journal entries pending")
 
     def _start_single(self, settings: Settings) -> None:
         self.kv = RocksKV(str(settings.cache_path / "meta"), self.reserve)
-        self.meta = MetaStore(self.kv)
+        self.meta = meta = MetaStore(self.kv)
         self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
                               settings.stall_timeout, reserve=self.reserve)
-        self.persister = Persister(self.meta, self.cache, self.under, flush_delay=settings.flush_delay,
-                                   concurrency=settings.upload_concurrency)
-        self.cache.on_stall = lambda: self.persister.hurry(self.meta.last_seq())
-        self.vfs = VFS(self.meta, self.cache, self.under, self.persister,
-                       chunk_size=settings.chunk_size)
-        rec = self.vfs.recover()
+        self.persister = persister = Persister(meta, self.cache, self.under,
+                                               flush_delay=settings.flush_delay,
+                                               concurrency=settings.upload_concurrency)
+        self.cache.on_stall = lambda: persister.hurry(meta.last_seq())
+        self.vfs = vfs = VFS(meta, self.cache, self.under, persister,
+                             chunk_size=settings.chunk_size)
+        rec = vfs.recover()
         if any(rec.values()):
             log.info("recovered after a crash: %s", rec)
-        self.persister.start()
+        persister.start()
+
+    def _single(self) -> tuple[MetaStore, Persister, VFS]:
+        """The metadata, persister and VFS of a single node (a member has neither)."""
+        assert self.meta is not None and self.persister is not None and \
+            isinstance(self.vfs, VFS), "not a cluster member"
+        return self.meta, self.persister, self.vfs
 
     def _start_member(self, settings: Settings) -> None:
         """A member of a cluster (acache.cluster): the namespace is the head's, in etcd."""
@@ -112,13 +139,11 @@ class Node:
             raise ConfigError(f"meta = {settings.meta} ({settings.source('meta')}) makes this node "
                               "a cluster member: set listen = \"HOST:PORT\" (the address peers "
                               "reach it at; advertise if that differs)")
-        self.meta = None
-        self.persister = None
         self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
                               settings.stall_timeout, reserve=self.reserve)
         node_id = settings.node_id or socket.gethostname().split(".")[0]
-        self.member = Member(settings, self.cache, self.under, node_id)
-        self.vfs = self.member.vfs
+        self.member = member = Member(settings, self.cache, self.under, node_id)
+        self.vfs = member.vfs
 
     def serve_metrics(self) -> None:
         """Start the /metrics endpoint if ``metrics`` is set (ConfigError if it cannot listen)."""
@@ -208,10 +233,10 @@ class Node:
 
     def op_stats(self):
         """FUSE requests by kind with latencies (acache.fs.opstats), of the current mount."""
-        eng = self.engine
+        eng: Any = self.engine       # only the native engine has op_stats
         return eng.op_stats() if eng is not None and hasattr(eng, "op_stats") else None
 
-    def _watch_mount(self, eng) -> None:
+    def _watch_mount(self, eng: _Engine) -> None:
         eng.wait()
         if self.engine is eng:
             log.warning("the mount at %s went away", self.mountpoint)
@@ -243,18 +268,20 @@ class Node:
     # -- the barrier ------------------------------------------------------------------------
     def flush(self, path: str | None, timeout: float | None, progress=None) -> dict:
         rel = self.rel(path)
-        if getattr(self, "member", None) is not None:      # the barrier is the head's, for the whole cluster
+        member: Member | None = getattr(self, "member", None)
+        if member is not None:      # the barrier is the head's, for the whole cluster
             try:
-                r = self.member.call(schema.Flush(path=rel, timeout=timeout))
+                r = member.call(schema.Flush(path=rel, timeout=timeout))
             except FsError as e:
                 raise FlushError(f"the cluster's barrier failed: {e}") from None
             if not r.get("ok", True):
                 raise FlushError(r.get("error") or "the cluster's barrier failed")
             return r
-        meta = self.meta
+        meta, vfs = self.meta, self.vfs      # (not _single(): tests call this on a stand-in)
+        assert meta is not None and isinstance(vfs, VFS), "not a cluster member"
         t0 = time.monotonic()
         try:    # files closed while a metadata write failed are not journaled yet
-            self.vfs.journal_unjournaled()
+            vfs.journal_unjournaled()
         except MetaError as e:
             raise FlushError(f"cannot journal every closed file: {e}") from None
         meta.begin_barrier()
@@ -264,20 +291,22 @@ class Node:
             meta.end_barrier()
 
     def _flush_wait(self, rel: str, timeout: float | None, progress, t0: float) -> dict:
-        return barrier.wait(self.meta, self.persister, self.cache, self.vfs._wopen, rel,
+        meta, persister, vfs = self.meta, self.persister, self.vfs   # (a stand-in: as flush)
+        assert meta is not None and persister is not None and isinstance(vfs, VFS)
+        return barrier.wait(meta, persister, self.cache, vfs._wopen, rel,
                             timeout, progress, t0)
 
     _under = staticmethod(barrier.under)
 
     # -- status ------------------------------------------------------------------------------
     def status(self, path: str | None = None) -> dict:
-        if getattr(self, "member", None) is not None:
-            return self._member_status(path)
-        meta, p, c = self.meta, self.persister, self.cache
+        if self.member is not None:
+            return self._member_status(self.member, path)
+        (meta, p, vfs), c = self._single(), self.cache
         with meta.lock:
             journal = meta.journal()
-            dirty_files = sum(1 for n in meta.inodes() if not n.is_dir and self.vfs.state(n) != "persisted")
-            out = {
+            dirty_files = sum(1 for n in meta.inodes() if not n.is_dir and vfs.state(n) != "persisted")
+            out: dict[str, Any] = {
                 "pid": os.getpid(), "uptime": time.time() - self.started,
                 "mountpoint": self.mountpoint, "engine": self.engine_name,
                 "passthrough": bool(self.engine and self.engine.passthrough_active),
@@ -293,7 +322,7 @@ class Node:
                     {"seq": s, "op": e.op, "path": e.path, "dst": e.dst, "error": msg}
                     for s, msg in sorted(p.failed.items())[:10]
                     if (e := meta.entry(s)) is not None],
-                "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
+                "ufs_reads": vfs.fetch.requests, "ufs_read_bytes": vfs.fetch.bytes_read,
                 "upload_limit": limit.describe(self.limiter.rate()),
                 "upload_limit_setting": self.limiter.schedule.text,
                 "uploaded_bytes": self.limiter.taken, "metrics": self.settings.metrics,
@@ -309,22 +338,24 @@ class Node:
         with meta.lock:
             if path is not None:
                 rel = self.rel(path)
-                files = []
+                files: list[dict[str, Any]] = []
                 for n in meta.inodes():
                     if n.is_dir or n.nlink == 0:
                         continue
                     fp = meta.path_of(n.ino)
                     if self._under(fp, rel):
                         # only a file open for writing needs an fstat for its size
-                        size = self.vfs.attr(n).size if n.ino in self.vfs._wopen else n.size
-                        files.append({"path": fp, "state": self.vfs.state(n),
+                        size = vfs.attr(n).size if n.ino in vfs._wopen else n.size
+                        files.append({"path": fp, "state": vfs.state(n),
                                       "size": size, "note": n.local})
                 out["files"] = sorted(files, key=lambda f: f["path"])
         return out
 
-    def _member_status(self, path: str | None) -> dict:
-        c, m = self.cache, self.member
-        out = {"pid": os.getpid(), "uptime": time.time() - self.started,
+    def _member_status(self, m: Member, path: str | None) -> dict:
+        c = self.cache
+        cluster: dict[str, Any] = {"meta": self.settings.meta, "node": m.node_id,
+                                   "address": m.address, "placement": self.settings.placement}
+        out: dict[str, Any] = {"pid": os.getpid(), "uptime": time.time() - self.started,
                "mountpoint": self.mountpoint, "engine": self.engine_name,
                "passthrough": bool(self.engine and self.engine.passthrough_active),
                "ufs": self.settings.ufs_url,
@@ -338,20 +369,19 @@ class Node:
                "upload_limit_setting": self.limiter.schedule.text,
                "uploaded_bytes": self.limiter.taken,
                "fuse_requests": getattr(self.engine, "op_counts", dict)(),
-               "cluster": {"meta": self.settings.meta, "node": m.node_id, "address": m.address,
-                           "placement": self.settings.placement}}
+               "cluster": cluster}
         out["lost_found_files"], out["lost_found_bytes"] = c.lost_found()
         out["lost_found_dir"] = c.lost_dir
         try:
-            out["cluster"]["nodes"] = m.peers()
+            cluster["nodes"] = m.peers()
         except MetaError as e:
-            out["cluster"]["error"] = str(e)
+            cluster["error"] = str(e)
         try:
             h = m.call(schema.Status(path=self.rel(path) if path else None))
         except FsError as e:
             h = {"error": f"the head does not answer: {e}"}
-        out["cluster"].update(h)
-        for n in out["cluster"].get("nodes", []):
+        cluster.update(h)
+        for n in cluster.get("nodes", []):
             files, size = (h.get("held") or {}).get(n["id"], (0, 0))
             n["held_files"], n["held_bytes"] = files, size
             n["placed_open"] = (h.get("placed_open") or {}).get(n["id"], 0)
@@ -364,13 +394,13 @@ class Node:
 
     # -- the journal, for the operator --------------------------------------------------------
     def journal(self, limit: int = 100) -> dict:
-        if getattr(self, "member", None) is not None:      # the journal is the head's, wherever it runs
+        if self.member is not None:      # the journal is the head's, wherever it runs
             return self.member.call(schema.Journal(limit=max(1, int(limit))))
-        total, entries = self.persister.entries(max(1, int(limit)))
+        total, entries = self._single()[1].entries(max(1, int(limit)))
         return {"total": total, "entries": entries}
 
     def journal_skip(self, seq: int, reason: str) -> dict:
-        if getattr(self, "member", None) is not None:
+        if self.member is not None:
             reason = (reason or "").strip()
             if not reason:
                 raise ConfigError("say why the entry is skipped: --reason \"...\"")
@@ -378,7 +408,11 @@ class Node:
         reason = (reason or "").strip()
         if not reason:
             raise ConfigError("say why the entry is skipped: --reason \"...\"")
-        return self.persister.skip(int(seq), reason)
+        return self._single()[1].skip(int(seq), reason)
+
+    def _stop_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
 
     # -- stop ---------------------------------------------------------------------------------
     def shutdown(self, flush: bool = True, timeout: float | None = None) -> dict:
@@ -387,11 +421,11 @@ class Node:
         replays at the next start."""
         from acache.node.notify import notify
         notify("STOPPING=1")
-        out = {"flushed": False, "left_dirty": 0}
+        out: dict[str, Any] = {"flushed": False, "left_dirty": 0}
         if flush:
             self.flush(None, timeout)
             out["flushed"] = True
-        if getattr(self, "member", None) is not None:
+        if self.member is not None:
             for what, step in (("unmounting", lambda: self.engine is not None and self.umount()),
                                ("leaving the cluster", self.member.close),
                                ("closing the under-storage", self.under.close)):
@@ -401,14 +435,14 @@ class Node:
                     log.error("%s failed while stopping: %s", what, e)
             self.stopping.set()
             return out
-        with self.meta.lock:
-            out["left_dirty"] = self.meta.journal_len()
+        meta, persister, _ = self._single()
+        with meta.lock:
+            out["left_dirty"] = meta.journal_len()
         for what, step in (("unmounting", lambda: self.engine is not None and self.umount()),
-                           ("stopping the persister", self.persister.stop),
-                           ("closing the metadata", self.meta.close),
+                           ("stopping the persister", persister.stop),
+                           ("closing the metadata", meta.close),
                            ("closing the under-storage", self.under.close),
-                           ("stopping the metrics endpoint",
-                            lambda: self.metrics is not None and self.metrics.close())):
+                           ("stopping the metrics endpoint", self._stop_metrics)):
             try:
                 step()
             except Exception as e:

@@ -37,7 +37,10 @@ class _Waiting:
     __slots__ = ("sock", "buf", "need", "deadline")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock, self.buf, self.need, self.deadline = sock, bytearray(), None, deadline
+        self.sock = sock
+        self.buf = bytearray()
+        self.need: int | None = None     # body size, once the header is in
+        self.deadline = deadline
 
 
 def _bad_args(req: dict) -> str | None:

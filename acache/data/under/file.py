@@ -375,15 +375,16 @@ class FileStore:
 
     @staticmethod
     def _entry(name: str, st: os.stat_result, dfd: int) -> UEntry | None:
-        kw = dict(mode=_stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
-                  mtime_ns=st.st_mtime_ns)
+        def entry(is_dir: bool, size: int, link: str | None = None) -> UEntry:
+            return UEntry(name, is_dir, size, st.st_mtime, mode=_stat.S_IMODE(st.st_mode),
+                          uid=st.st_uid, gid=st.st_gid, mtime_ns=st.st_mtime_ns, link=link)
         if _stat.S_ISDIR(st.st_mode):
-            return UEntry(name, True, 0, st.st_mtime, **kw)
+            return entry(True, 0)
         if _stat.S_ISREG(st.st_mode):
-            return UEntry(name, False, st.st_size, st.st_mtime, **kw)
+            return entry(False, st.st_size)
         if _stat.S_ISLNK(st.st_mode):
             target = os.readlink(name, dir_fd=dfd)
-            return UEntry(name, False, len(os.fsencode(target)), st.st_mtime, **kw, link=target)
+            return entry(False, len(os.fsencode(target)), target)
         return None  # fifos, sockets, devices: not checkpoint data
 
     def stat(self, path: str) -> UEntry | None:

@@ -51,12 +51,13 @@ class MemState:
     def entry(self, path: str, name: str, is_dir: bool) -> UEntry:
         """The UEntry of an existing file, link or directory (call with the lock held)."""
         a = self.attrs.get(path) or Attrs()
-        kw = dict(mode=a.mode, uid=a.uid, gid=a.gid, mtime_ns=a.mtime_ns)
         if is_dir:
-            return UEntry(name, True, 0, self.dirs.get(path, 0.0), **kw)
+            return UEntry(name, True, 0, self.dirs.get(path, 0.0), mode=a.mode, uid=a.uid,
+                          gid=a.gid, mtime_ns=a.mtime_ns)
         data, mtime = self.files[path]
         link = data.decode("utf-8", "surrogateescape") if path in self.links else None
-        return UEntry(name, False, len(data), mtime, link=link, **kw)
+        return UEntry(name, False, len(data), mtime, mode=a.mode, uid=a.uid, gid=a.gid,
+                      mtime_ns=a.mtime_ns, link=link)
 
     def move_meta(self, src: str, dst: str) -> None:
         """Links and attrs at or under ``src`` move to ``dst`` (call with the lock held)."""

@@ -85,7 +85,7 @@ import threading
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 import certifi
@@ -95,7 +95,7 @@ from minio.commonconfig import ComposeSource, CopySource
 from minio.datatypes import Part
 from minio.deleteobjects import DeleteObject
 from minio.error import InvalidResponseError, S3Error, ServerError
-from minio.helpers import MAX_PART_SIZE, check_bucket_name
+from minio.helpers import MAX_PART_SIZE, DictType, check_bucket_name
 
 from acache.config import parse_size
 from acache.data.under import s3meta
@@ -189,7 +189,7 @@ _AWS_ENV = {
     "secret_key": ("AWS_SECRET_ACCESS_KEY",),
     "session_token": ("AWS_SESSION_TOKEN",),
 }
-_DEFAULTS = {
+_DEFAULTS: dict[str, Any] = {
     "endpoint": "https://s3.amazonaws.com", "region": None, "addressing": "auto",
     "part_size": 16 * MiB, "multipart_threshold": 8 * MiB, "concurrency": 8,
     "content_md5": "auto", "verify_tls": True,
@@ -263,7 +263,7 @@ class _Wire:
 
     def upload_part(self, key: str, upload_id: str, number: int, data: bytes,
                     md5_b64: str | None) -> str:
-        headers = {"Content-MD5": md5_b64} if md5_b64 else {}
+        headers: DictType = {"Content-MD5": md5_b64} if md5_b64 else {}
         etag = self.c._upload_part(self.b, key, data, headers, upload_id, number)
         return (etag or "").strip('"')
 
@@ -284,7 +284,8 @@ class _Wire:
     def uploads(self, key: str) -> tuple[list[tuple[str, str]], bool]:
         """(key, upload id) of in-progress uploads whose key starts with ``key``."""
         res = self.c._list_multipart_uploads(self.b, prefix=key, max_uploads=1000)
-        return [(u.object_name, u.upload_id) for u in res.uploads], res.is_truncated
+        return [(u.object_name, u.upload_id) for u in res.uploads
+                if u.upload_id is not None], res.is_truncated   # (S3 always sends one)
 
     def first_under(self, prefix: str, n: int = 1) -> list:
         """At most ``n`` entries (one level) under ``prefix``: a cheap 'is there any'."""
@@ -847,6 +848,8 @@ class S3Staged:
         self.upload_id = upload_id
         self._store = store
         self._src = src_path
+        self._md5_hex: str | None
+        self._md5: str | None
         self._md5_hex, self._md5 = md5 or (None, None)
         self._parts = parts or []
         self._meta = meta or {}
@@ -876,7 +879,9 @@ class S3Staged:
                     raise PermanentError(f"commit of s3://{s.bucket}/{self.key} after abort")
                 data = self._data
                 if data is None:   # (changed since stage(): the server rejects the
-                    data = _read_source(self._src, self.size,     # Content-MD5, BadDigest)
+                    src = self._src    # Content-MD5, BadDigest)
+                    assert src is not None, "a single-PUT stage has its cache file"
+                    data = _read_source(src, self.size,
                                         f"s3 commit {self.key}", commit=True)
                 if s._take is not None:
                     s._take(len(data))

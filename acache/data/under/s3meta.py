@@ -111,17 +111,19 @@ def list_entries(store, prefix: str) -> list[UEntry]:
             name = name[:-1]
         elif not name:
             continue   # the directory's own marker
-        table = dirs if o.is_dir else files
-        if not o.is_dir and name.endswith(LINK_SUFFIX) and len(name) > len(LINK_SUFFIX):
-            name, table = name[:-len(LINK_SUFFIX)], links
+        is_link = not o.is_dir and name.endswith(LINK_SUFFIX) and len(name) > len(LINK_SUFFIX)
+        if is_link:
+            name = name[:-len(LINK_SUFFIX)]
         why = bad_name(name)
         if why is not None:
             log.warning("s3://%s/%s: skipping %r: %s", store.bucket, o.object_name, name, why)
             continue
-        if table is dirs:
+        if o.is_dir:
             dirs.add(name)
+        elif is_link:
+            links[name] = o
         else:
-            table[name] = o
+            files[name] = o
     for name in set(links) & set(files):
         log.warning("s3://%s/%s%s: both a file and a link: listing the file", store.bucket,
                     prefix, name)
