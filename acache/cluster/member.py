@@ -284,7 +284,7 @@ class Member:
             head = self.head
             if head is not None:
                 try:
-                    return head.call(self.node_id, op, args)
+                    return head.call(self.node_id, op, args, rid)
                 except MetaError as e:
                     if self.head is head:
                         log.error("metadata operation %s failed: %s", op, e)
@@ -453,18 +453,26 @@ class _Head:
         self.cache = member.cache
         from acache.cluster.placement import Placement
         self.placement = Placement(member.cluster)
-        from collections import OrderedDict
         self._blocked: tuple[str, float] = ("", 0.0)     # (node, since) for status
-        self._done_lock = threading.Lock()
-        self._done: OrderedDict = OrderedDict()
         self.edge = CallEdge(self.meta)
-        self._running: dict[str, threading.Event] = {}
+        from acache.cluster.requests import RequestLog
+        self.requests = RequestLog(self.meta, edge=self.edge.run)
         rec = self.vfs.recover()
         if any(rec.values()):
             log.info("head: recovered %s", rec)
         self.persister.start()
+        from acache.cluster.sessions import Reaper
+        self.reaper = Reaper(self.vfs.session_nodes, self._alive, self.vfs.release_node)
+
+    def _alive(self) -> set[str] | None:
+        """The nodes whose registration is alive (None: etcd does not answer now)."""
+        try:
+            return {m.record.id for m in self.member.cluster.members() if m.alive}
+        except MetaError:
+            return None
 
     def close(self) -> None:
+        self.reaper.close()
         self.placement.close()
         try:
             self.persister.stop()
@@ -570,54 +578,19 @@ class _Head:
         self.cache.note(e.ino, e.gen, dirty=True)
 
     # -- the ops -------------------------------------------------------------------------------
+    # requests that change nothing (or, rejoin, that are idempotent with a large reply):
+    # their replies are not stored (acache.cluster.requests)
+    NOT_LOGGED = frozenset({"lookup", "getattr", "readlink", "readdir", "sync", "getxattr",
+                            "source", "journal", "status", "flush", "rejoin"})
+
     def call(self, frm: str, op: str, a: dict, rid: str = "") -> dict:
-        """``rid``: the caller's id of this request; a request sent again (its reply was
-        lost: a dropped connection) gets the first answer back instead of running twice
-        (a second mkdir would say EEXIST).  Remembered for the last DONE_KEEP requests."""
+        """``rid``: the caller's id of this request; one sent again (its reply was lost with
+        a connection, or with the head that ran it) is answered as its first run was
+        (acache.cluster.requests)."""
         op_fn = getattr(self, "op_" + op, None)
         if op_fn is None:
             raise FsError(errno.ENOSYS)
-
-        def fn(frm: str, a: dict) -> dict:
-            return self.edge.run(op_fn, frm, a)
-
-        if not rid:
-            return fn(frm, a)
-        with self._done_lock:
-            ev = self._running.get(rid)
-            if ev is None and rid in self._done:
-                return self._replay(rid)
-            if ev is None:
-                ev = self._running[rid] = threading.Event()
-                mine = True
-            else:
-                mine = False
-        if not mine:                     # the first copy is still running: wait for it
-            ev.wait()
-            with self._done_lock:
-                return self._replay(rid)
-        result: tuple = (False, FsError(errno.EIO))
-        try:
-            result = (True, fn(frm, a))
-        except FsError as e:
-            result = (False, e)
-        finally:                         # an unexpected error: EIO for a copy sent again
-            with self._done_lock:
-                self._done[rid] = result
-                while len(self._done) > self.DONE_KEEP:
-                    self._done.popitem(last=False)
-                self._running.pop(rid, None)
-            ev.set()
-        with self._done_lock:
-            return self._replay(rid)
-
-    DONE_KEEP = 8192
-
-    def _replay(self, rid: str) -> dict:
-        ok, v = self._done[rid]
-        if ok:
-            return v
-        raise v
+        return self.requests.run(frm, rid, lambda: op_fn(frm, a), durable=op not in self.NOT_LOGGED)
 
     @staticmethod
     def _ctx(a: dict) -> Ctx:
@@ -709,7 +682,7 @@ class _Head:
         return self.vfs.open_read(a["ino"], frm)
 
     def op_copied(self, frm, a):
-        self.vfs.copied(a["ino"], a["gen"])
+        self.vfs.copied(a["ino"], a["gen"], frm)
         return {}
 
     def op_close(self, frm, a):
