@@ -16,7 +16,9 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import queue
+import signal
 import threading
 import time
 
@@ -263,8 +265,10 @@ class Member:
         if head is None:
             raise OSError(ENOTHEAD, "not the head")
         try:
-            return head.call(str(meta["from"]), str(meta["op"]), meta.get("args") or {},
-                             str(meta.get("rid") or ""))
+            out = head.call(str(meta["from"]), str(meta["op"]), meta.get("args") or {},
+                            str(meta.get("rid") or ""))
+            _test_kill_before_reply(str(meta["op"]), meta.get("args") or {})
+            return out
         except FsError as e:
             raise OSError(e.errno, str(e)) from None
         except MetaError as e:
@@ -425,6 +429,32 @@ class Member:
         for c in list(self._conns.values()):
             c.close()
         self.client.close()
+
+
+KILL_BEFORE_REPLY = "ACACHE_TEST_KILL_BEFORE_REPLY"
+
+
+def _test_kill_before_reply(op: str, args: dict) -> None:
+    """Tests only: ``ACACHE_TEST_KILL_BEFORE_REPLY=<marker file>:<op>:<name>`` -- the head
+    kills itself (SIGKILL) after a remote request ``op`` on ``name`` ran and landed in etcd,
+    before its reply is sent: a request whose reply is lost with the head.  Once across all
+    processes (the marker file is created first); the head that answers the copy sent again
+    does not fire it."""
+    spec = os.environ.get(KILL_BEFORE_REPLY)
+    if not spec:
+        return
+    marker, want_op, name = spec.rsplit(":", 2)
+    got = args.get("name")
+    got = got.decode(errors="surrogateescape") if isinstance(got, bytes) else got
+    if op != want_op or got != name:
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    log.warning("test hook %s: killing this head before the reply to %s %s", KILL_BEFORE_REPLY,
+                op, name)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _delete(key: bytes):
