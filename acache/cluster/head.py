@@ -12,9 +12,10 @@ hosts (DESIGN point 4 across hosts, with no watch-lag trap: no node orders by wh
 has seen).  etcd makes the head's state survive it: a new head opens the same KV (fencing
 off the old one) and carries on from what etcd holds.
 
-What the head keeps in memory only (rebuilt as nodes (re)join): which node has which file
-open, for reading and for writing.  Opening for writing on one node a file open for writing
-on another is EBUSY.  A file's bytes are on its *holder* (Inode.node), the node whose write
+Which node has which file open, for reading and for writing, the head keeps in memory and
+writes in the batch of the operation that changed it (acache.cluster.sessions): a new head
+loads it, a node that is gone has its sessions released by the head's reaper.  Opening for
+writing on one node a file open for writing on another is EBUSY.  A file's bytes are on its *holder* (Inode.node), the node whose write
 session made the current generation; the persister pulls them from there over the peer
 transport into the head's cache before staging (``pull``), so what it uploads is what the
 holder acknowledged.
@@ -30,6 +31,7 @@ import time
 from dataclasses import asdict
 from typing import Callable, Mapping
 
+from acache.cluster import sessions as S
 from acache.data.persister import Persister
 from acache.errors import AcacheError, FsError
 from acache.fs.overlap import Overlap
@@ -98,16 +100,25 @@ class HeadVFS(VFS):
         # ino -> [the node writing it, 1 while a handle there is not closed, 0 once its last
         # close (FLUSH) came and only the RELEASE is due] (one session per node: ClientVFS
         # counts its handles); (ino, gen) -> {node: read opens}
-        self.writers: dict[int, list] = {}
+        # All of these but placed_load are in the KV too (acache.cluster.sessions), loaded
+        # here when this node takes the head role over.
+        loaded = S.load(meta.kv)
+        self.writers: dict[int, list] = loaded.writers
         self._released = threading.Condition(self.lock)     # a session ended (end_write)
-        self.ropens: dict[tuple[int, int], dict[str, int]] = {}
-        self.pinned: dict[tuple[int, int], int] = {}   # old gens a writer copies from
-        self._holder_of: dict[tuple[int, int], str] = {}   # superseded gens still held
+        self.ropens: dict[tuple[int, int], dict[str, int]] = loaded.ropens
+        # old gens a writer copies from: (ino, gen) -> {node: writers copying}
+        self.pinned: dict[tuple[int, int], dict[str, int]] = loaded.pinned
+        self._holder_of: dict[tuple[int, int], str] = loaded.holder_of   # superseded gens still held
         self._wopen = self.writers       # the inherited VFS code's view of the open writers
         # the write sessions of cacheless writers, by inode: the worker each was placed on,
         # and per worker how many are open (what bounds the next placement: placement.bounded)
-        self.placed: dict[int, str] = {}
+        self.placed: dict[int, str] = loaded.placed
         self.placed_load: dict[str, int] = {}
+        for w in self.placed.values():
+            self.placed_load[w] = self.placed_load.get(w, 0) + 1
+        if loaded.count():
+            log.info("head: %d write sessions, %d read-open and %d copied generations loaded",
+                     len(loaded.writers), len(loaded.ropens), len(loaded.pinned))
 
     def journal_unjournaled(self) -> list[int]:
         return []                        # a close is journaled by the head or fails (EIO)
@@ -231,12 +242,17 @@ class HeadVFS(VFS):
                 node.mtime_ns = node.ctime_ns = time.time_ns()
             node.dirty = True
             txn.save(node)
+            S.save_writer(txn, ino, [holder, 1], new_holder if place is not None else None)
+            pins = dict(self.pinned.get((ino, old_gen), {}))
+            if src is not None:
+                pins[holder] = pins.get(holder, 0) + 1
+                S.save_count(txn, S.pin_key(ino, old_gen, holder), pins[holder], old_holder)
             txn.commit()
             self.writers[ino] = [holder, 1]
             if place is not None:
                 self._placed_on(ino, new_holder)
             if src is not None:
-                self.pinned[(ino, old_gen)] = self.pinned.get((ino, old_gen), 0) + 1
+                self.pinned[(ino, old_gen)] = pins
             else:
                 self.gc_gen(ino, old_gen)
             return {"gen": node.gen, "same": False, "src": src, "holder": node.node,
@@ -273,6 +289,7 @@ class HeadVFS(VFS):
                     raise
             txn.link(parent, name, node.ino)
             self._touch_dir(txn, p)
+            S.save_writer(txn, node.ino, [holder, 1], node.node if place is not None else None)
             txn.commit()
             self.writers[node.ino] = [holder, 1]
             if place is not None:
@@ -280,13 +297,23 @@ class HeadVFS(VFS):
             return {"ino": node.ino, "gen": node.gen, "same": False, "src": None,
                     "holder": node.node, "attr": attr_dict(self.attr(node))}
 
-    def copied(self, ino: int, gen: int) -> None:
-        """A writer finished copying generation ``gen`` (its open's ``src``)."""
+    def copied(self, ino: int, gen: int, holder: str = "") -> None:
+        """A writer on ``holder`` finished copying generation ``gen`` (its open's ``src``)."""
         with self.lock:
-            left = self.pinned.get((ino, gen), 0) - 1
+            pins = self.pinned.get((ino, gen))
+            if not pins:
+                return
+            if holder not in pins:
+                holder = next(iter(pins))
+            left = pins[holder] - 1
+            txn = self.meta.txn()
+            S.save_count(txn, S.pin_key(ino, gen, holder), left, self._holder_of.get((ino, gen), ""))
+            txn.commit()
             if left > 0:
-                self.pinned[(ino, gen)] = left
+                pins[holder] = left
             else:
+                del pins[holder]
+            if not pins:
                 self.pinned.pop((ino, gen), None)
                 self.gc_gen(ino, gen)
 
@@ -309,6 +336,8 @@ class HeadVFS(VFS):
             if not self._writes(node, gen, holder):
                 return
             txn = self.meta.txn()
+            if w is not None and w[0] == holder:
+                S.save_writer(txn, ino, w, self.placed.get(ino))
             node.size = size
             node.mtime_ns = max(node.mtime_ns, mtime_ns)
             node.ctime_ns = max(node.ctime_ns, ctime_ns)
@@ -329,6 +358,9 @@ class HeadVFS(VFS):
             w = self.writers.get(ino)
             if w is None or w[0] != holder:
                 return
+            txn = self.meta.txn()
+            S.save_writer(txn, ino, None, None)
+            txn.commit()
             del self.writers[ino]
             self._unplace(ino)
             self._released.notify_all()
@@ -380,8 +412,11 @@ class HeadVFS(VFS):
             if node.is_dir:
                 raise FsError(errno.EISDIR)
             key = (ino, node.gen)
-            d = self.ropens.setdefault(key, {})
-            d[holder] = d.get(holder, 0) + 1
+            n = self.ropens.get(key, {}).get(holder, 0) + 1
+            txn = self.meta.txn()
+            S.save_count(txn, S.read_key(ino, node.gen, holder), n, node.node)
+            txn.commit()
+            self.ropens.setdefault(key, {})[holder] = n
             out = self._source(node)
             out["attr"] = attr_dict(self.attr(node))
             w = self.writers.get(ino)
@@ -393,6 +428,12 @@ class HeadVFS(VFS):
             d = self.ropens.get((ino, gen))
             if d is None or holder not in d:
                 return
+            cur = self.meta.get(ino)
+            txn = self.meta.txn()
+            S.save_count(txn, S.read_key(ino, gen, holder), d[holder] - 1,
+                         cur.node if cur is not None and cur.gen == gen else
+                         self._holder_of.get((ino, gen), ""))
+            txn.commit()
             d[holder] -= 1
             if d[holder] <= 0:
                 del d[holder]
@@ -430,15 +471,8 @@ class HeadVFS(VFS):
         under-storage, as on one host (VFS._recover_dirty)."""
         out = {"reopened": 0, "unacknowledged": 0}
         with self.lock:
-            for ino in [i for i, w in self.writers.items() if w[0] == holder]:
-                del self.writers[ino]
-                self._unplace(ino)
-            self._released.notify_all()
-            for key in list(self.ropens):
-                self.ropens[key].pop(holder, None)
-                if not self.ropens[key]:
-                    del self.ropens[key]
             txn = self.meta.txn()
+            self._forget_sessions(txn, holder)
             journaled = []
             for node in self.meta.inodes():
                 if node.is_dir or node.node != holder or not node.dirty:
@@ -462,6 +496,42 @@ class HeadVFS(VFS):
         if journaled:
             self.persister.wake()
         return out
+
+    def _forget_sessions(self, txn, holder: str) -> list[tuple[int, int]]:
+        """Drop every session of ``holder`` (lock held), in memory and in ``txn``; the
+        generations it read or copied, to settle once ``txn`` is committed."""
+        for ino in [i for i, w in self.writers.items() if w[0] == holder]:
+            S.save_writer(txn, ino, None, None)
+            del self.writers[ino]
+            self._unplace(ino)
+        self._released.notify_all()
+        gens = []
+        for table, key_of in ((self.ropens, S.read_key), (self.pinned, S.pin_key)):
+            for key in list(table):
+                if holder in table[key]:
+                    txn.delete_raw(key_of(key[0], key[1], holder))
+                    del table[key][holder]
+                    gens.append(key)
+                if not table[key]:
+                    del table[key]
+        return gens
+
+    def session_nodes(self) -> set[str]:
+        """The nodes that have a file open (for the reaper)."""
+        with self.lock:
+            return S.nodes_of(self.writers.values(), self.ropens.values(), self.pinned.values())
+
+    def release_node(self, holder: str) -> None:
+        """``holder`` is gone (its registration expired): its sessions end, as if it had
+        closed everything -- what it was writing stays as it is (dirty: its restart
+        publishes what an fsync acknowledged, rejoin); what it read may be let go of."""
+        with self.lock:
+            txn = self.meta.txn()
+            gens = self._forget_sessions(txn, holder)
+            txn.commit()
+            nodes = [(ino, gen, self.meta.get(ino)) for ino, gen in gens]
+        for ino, gen, node in nodes:
+            self._settle(ino, gen, node)
 
     def recover(self) -> dict:
         """A new head: clean up half-done stages (the node-local half of recovery, cache

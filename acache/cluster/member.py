@@ -16,7 +16,9 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import os
 import queue
+import signal
 import threading
 import time
 
@@ -267,7 +269,9 @@ class Member:
             raise OSError(ENOTHEAD, "not the head")
         try:
             req = schema.decode(meta.get("op"), meta.get("args"))
-            return head.call(str(meta["from"]), req, str(meta.get("rid") or ""))
+            out = head.call(str(meta["from"]), req, str(meta.get("rid") or ""))
+            _test_kill_before_reply(req.op, meta.get("args") or {})
+            return out
         except FsError as e:
             raise OSError(e.errno, str(e)) from None
         except MetaError as e:
@@ -292,7 +296,7 @@ class Member:
             head = self.head
             if head is not None:
                 try:
-                    return head.call(self.node_id, req)
+                    return head.call(self.node_id, req, rid)
                 except MetaError as e:
                     if self.head is head:
                         log.error("metadata operation %s failed: %s", op, e)
@@ -435,6 +439,32 @@ class Member:
         self.client.close()
 
 
+KILL_BEFORE_REPLY = "ACACHE_TEST_KILL_BEFORE_REPLY"
+
+
+def _test_kill_before_reply(op: str, args: dict) -> None:
+    """Tests only: ``ACACHE_TEST_KILL_BEFORE_REPLY=<marker file>:<op>:<name>`` -- the head
+    kills itself (SIGKILL) after a remote request ``op`` on ``name`` ran and landed in etcd,
+    before its reply is sent: a request whose reply is lost with the head.  Once across all
+    processes (the marker file is created first); the head that answers the copy sent again
+    does not fire it."""
+    spec = os.environ.get(KILL_BEFORE_REPLY)
+    if not spec:
+        return
+    marker, want_op, name = spec.rsplit(":", 2)
+    got = args.get("name")
+    got = got.decode(errors="surrogateescape") if isinstance(got, bytes) else got
+    if op != want_op or got != name:
+        return
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    log.warning("test hook %s: killing this head before the reply to %s %s", KILL_BEFORE_REPLY,
+                op, name)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _delete(key: bytes):
     from acache.meta.etcd import Delete
     return Delete(key)
@@ -461,18 +491,26 @@ class _Head:
         self.cache = member.cache
         from acache.cluster.placement import Placement
         self.placement = Placement(member.cluster)
-        from collections import OrderedDict
         self._blocked: tuple[str, float] = ("", 0.0)     # (node, since) for status
-        self._done_lock = threading.Lock()
-        self._done: OrderedDict = OrderedDict()
         self.edge = CallEdge(self.meta)
-        self._running: dict[str, threading.Event] = {}
+        from acache.cluster.requests import RequestLog
+        self.requests = RequestLog(self.meta, edge=self.edge.run)
         rec = self.vfs.recover()
         if any(rec.values()):
             log.info("head: recovered %s", rec)
         self.persister.start()
+        from acache.cluster.sessions import Reaper
+        self.reaper = Reaper(self.vfs.session_nodes, self._alive, self.vfs.release_node)
+
+    def _alive(self) -> set[str] | None:
+        """The nodes whose registration is alive (None: etcd does not answer now)."""
+        try:
+            return {m.record.id for m in self.member.cluster.members() if m.alive}
+        except MetaError:
+            return None
 
     def close(self) -> None:
+        self.reaper.close()
         self.placement.close()
         try:
             self.persister.stop()
@@ -578,56 +616,21 @@ class _Head:
         self.cache.note(e.ino, e.gen, dirty=True)
 
     # -- the ops -------------------------------------------------------------------------------
+    # requests that change nothing (or, rejoin, that are idempotent with a large reply):
+    # their replies are not stored (acache.cluster.requests)
+    NOT_LOGGED = frozenset({"lookup", "getattr", "readlink", "readdir", "sync", "getxattr",
+                            "source", "journal", "status", "flush", "rejoin"})
+
     def call(self, frm: str, req: schema.Request, rid: str = "") -> dict:
         """One namespace operation (``req``, checked: acache.cluster.schema) asked by node
-        ``frm``.  ``rid``: the caller's id of this request; a request sent again (its reply was
-        lost: a dropped connection) gets the first answer back instead of running twice
-        (a second mkdir would say EEXIST).  Remembered for the last DONE_KEEP requests."""
+        ``frm``.  ``rid``: the caller's id of this request; one sent again (its reply was lost
+        with a connection, or with the head that ran it) is answered as its first run was
+        (acache.cluster.requests)."""
         op_fn = getattr(self, "op_" + req.op, None)
-        if op_fn is None:                # in the table, not handled here: a bug (test_schema)
+        if op_fn is None:                # in the table, not handled here: a bug (test_ns_schema)
             raise FsError(errno.ENOSYS)
-        a = req
-
-        def fn(frm: str, a: schema.Request) -> dict:
-            return self.edge.run(op_fn, frm, a)
-
-        if not rid:
-            return fn(frm, a)
-        with self._done_lock:
-            ev = self._running.get(rid)
-            if ev is None and rid in self._done:
-                return self._replay(rid)
-            if ev is None:
-                ev = self._running[rid] = threading.Event()
-                mine = True
-            else:
-                mine = False
-        if not mine:                     # the first copy is still running: wait for it
-            ev.wait()
-            with self._done_lock:
-                return self._replay(rid)
-        result: tuple = (False, FsError(errno.EIO))
-        try:
-            result = (True, fn(frm, a))
-        except FsError as e:
-            result = (False, e)
-        finally:                         # an unexpected error: EIO for a copy sent again
-            with self._done_lock:
-                self._done[rid] = result
-                while len(self._done) > self.DONE_KEEP:
-                    self._done.popitem(last=False)
-                self._running.pop(rid, None)
-            ev.set()
-        with self._done_lock:
-            return self._replay(rid)
-
-    DONE_KEEP = 8192
-
-    def _replay(self, rid: str) -> dict:
-        ok, v = self._done[rid]
-        if ok:
-            return v
-        raise v
+        return self.requests.run(frm, rid, lambda: op_fn(frm, req),
+                                 durable=req.op not in self.NOT_LOGGED)
 
     @staticmethod
     def _ctx(r) -> Ctx:
@@ -719,7 +722,7 @@ class _Head:
         return self.vfs.open_read(r.ino, frm)
 
     def op_copied(self, frm, r):
-        self.vfs.copied(r.ino, r.gen)
+        self.vfs.copied(r.ino, r.gen, frm)
         return {}
 
     def op_close(self, frm, r):

@@ -12,6 +12,13 @@
                                           entry was cancelled, or staged again under a new
                                           token): its leftovers are cleaned, at restart too
 
+In a cluster's namespace KV, besides (records of other modules' schemas, written in the
+batches of the operations that change them; see those modules):
+
+    W<ino:u64>, O<ino:u64><gen:u64><node>, P<ino:u64><gen:u64><node>
+                                          open-file sessions (acache.cluster.sessions)
+    Q<node>\0<rid>                        a request's stored reply (acache.cluster.requests)
+
 The namespace (I, D) and the journal (J) change together in one atomic batch.
 """
 from __future__ import annotations

@@ -269,6 +269,15 @@ class Txn:
             {"op": e.op, "path": e.path, "dst": e.dst, "reason": reason, "time": time.time()},
             use_bin_type=True, unicode_errors=_NAMES)
 
+    def put_raw(self, key: bytes, value: bytes) -> None:
+        """A record of another module's schema (acache.cluster.sessions), in this batch."""
+        self.deletes = [k for k in self.deletes if k != key]
+        self.puts[key] = value
+
+    def delete_raw(self, key: bytes) -> None:
+        self.puts.pop(key, None)
+        self.deletes.append(key)
+
     def forget_stage(self, token: str) -> None:
         """``token``'s stage was committed or cleaned up."""
         key = K.stage_key(token)
@@ -338,10 +347,20 @@ class Txn:
 
 
 class _Batch:
-    __slots__ = ("ticket", "puts", "deletes", "dropped", "after")
+    __slots__ = ("ticket", "puts", "deletes", "dropped", "after", "held", "taken")
 
     def __init__(self, ticket: int, puts: dict, deletes: list, dropped: list, after: list) -> None:
         self.ticket, self.puts, self.deletes, self.dropped, self.after = ticket, puts, deletes, dropped, after
+        self.held = 0.0           # a hold (GroupCommit.hold) keeps it queued until then
+        self.taken = False        # the writer took it (too late to add to it)
+
+
+class _Hold:
+    __slots__ = ("batches", "until")
+
+    def __init__(self) -> None:
+        self.batches: list[_Batch] = []
+        self.until = 0.0
 
 
 class GroupCommit:
@@ -371,6 +390,7 @@ class GroupCommit:
 
     GROUP_OPS = 110             # a group fits one etcd txn (kv_etcd.TXN_OPS is 120)
     GROUP_BYTES = 512 * 1024
+    HOLD_MAX = 0.1              # the longest a hold keeps the writer from a batch (hold)
 
     def __init__(self, kv: KV, lock: threading.RLock, on_broken: Callable[[BaseException], None]) -> None:
         self.kv = kv
@@ -388,6 +408,7 @@ class GroupCommit:
         self._stop = False
         self._after: list[list[Callable[[], None]]] = []
         self._after_cv = threading.Condition()
+        self._holds: dict[int, _Hold] = {}      # thread ident -> its hold (see hold)
         self._writer = threading.Thread(target=self._run, name="acache-meta-commit", daemon=True)
         self._helper = threading.Thread(target=self._run_after, name="acache-meta-after", daemon=True)
         self._writer.start()
@@ -401,9 +422,49 @@ class GroupCommit:
             if self._stop:
                 raise MetaError("the metadata store is closed")
             self.issued += 1
-            self.queue.append(_Batch(self.issued, puts, deletes, dropped, after))
+            b = _Batch(self.issued, puts, deletes, dropped, after)
+            h = self._holds.get(threading.get_ident())
+            if h is not None:
+                if not h.until:
+                    h.until = time.monotonic() + self.HOLD_MAX
+                b.held = h.until
+                h.batches.append(b)
+            self.queue.append(b)
             self.cv.notify_all()
             return self.issued
+
+    # -- holding a request's batches back, so its reply lands with them ------------------
+    def hold(self) -> None:
+        """From now on, the batches this thread submits stay queued -- and so does every
+        batch behind them: the order is kept -- until :meth:`release`, for at most HOLD_MAX
+        seconds after the first of them.  So what the caller adds at release (a request's
+        reply: acache.cluster.requests) lands in the same KV write as its effects."""
+        with self.cv:
+            self._holds[threading.get_ident()] = _Hold()
+
+    def release(self, puts: dict | None = None, deletes: list | None = None) -> bool:
+        """End this thread's hold; add ``puts``/``deletes`` to the last batch it submitted
+        if that is still queued.  False if they were not added (no batch, or the hold ran
+        out and the batch was taken): the caller writes them in a batch of their own."""
+        with self.cv:
+            h = self._holds.pop(threading.get_ident(), None)
+            if h is None:
+                return False
+            added = False
+            if h.batches and not h.batches[-1].taken and (puts or deletes):
+                last = h.batches[-1]
+                last.deletes.extend(deletes or ())
+                last.puts.update(puts or {})
+                added = True
+            for b in h.batches:
+                b.held = 0.0
+            self.cv.notify_all()
+            return added
+
+    def _unhold_self(self) -> None:
+        """This thread waits for its own batches: a hold of its own would only delay it."""
+        if threading.get_ident() in self._holds:
+            self.release()
 
     def after_durable(self, fn: Callable[[], None]) -> bool:
         """Run ``fn`` once everything submitted so far has landed (dropped if it fails).
@@ -435,6 +496,7 @@ class GroupCommit:
         (``since`` defaults to ``ticket - 1``: just that one)."""
         if ticket <= 0:
             return
+        self._unhold_self()
         lo = ticket - 1 if since < 0 else since
         with self.cv:
             while self.settled < ticket:
@@ -447,6 +509,7 @@ class GroupCommit:
 
     def drain(self) -> None:
         """Until everything submitted has settled (no error raised: see ``wait``)."""
+        self._unhold_self()
         with self.cv:
             while self.settled < self.issued:
                 self.cv.wait()
@@ -470,12 +533,16 @@ class GroupCommit:
     def _take(self) -> list[_Batch]:
         group: list[_Batch] = []
         ops, size = 0, 0
+        now = time.monotonic()
         while self.queue:
             b = self.queue[0]
+            if b.held > now and not self._stop:
+                break                        # held back (hold), and everything behind it
             n = len(b.puts) + len(b.deletes)
             m = sum(len(k) + len(v) for k, v in b.puts.items()) + sum(map(len, b.deletes))
             if group and (ops + n > self.GROUP_OPS or size + m > self.GROUP_BYTES):
                 break
+            b.taken = True
             group.append(self.queue.pop(0))
             ops, size = ops + n, size + m
         return group
@@ -483,10 +550,16 @@ class GroupCommit:
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not self.queue and not self._stop:
-                    self.cv.wait()
-                if not self.queue:
-                    return
+                while True:
+                    if not self.queue:
+                        if self._stop:
+                            return
+                        self.cv.wait()
+                        continue
+                    wait = self.queue[0].held - time.monotonic()
+                    if wait <= 0 or self._stop:
+                        break
+                    self.cv.wait(wait)       # a hold: until it is released or runs out
                 group = self._take()
                 self._inflight = []
             ops: dict[bytes, bytes | None] = {}
@@ -815,6 +888,15 @@ class MetaStore:
             g.wait(last, first - 1)
         else:
             g.wait(g.issued, since)
+
+    def hold(self) -> None:
+        """GroupCommit.hold (nothing without GroupCommit: each commit writes through)."""
+        if self.group is not None:
+            self.group.hold()
+
+    def release(self, puts: dict, deletes: list) -> bool:
+        """GroupCommit.release: False -- the caller commits ``puts``/``deletes`` itself."""
+        return self.group is not None and self.group.release(puts, deletes)
 
     def wait_ticket(self, ticket: int) -> None:
         """Until the batch of a Txn committed (Txn.ticket) landed; MetaError if it failed."""
