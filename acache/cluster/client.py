@@ -227,7 +227,7 @@ class ClientVFS(Base):
         come from fstat of the cache file at each close and fsync, as on one host; an
         O_APPEND handle stays served (its end is this node's copy, not the kernel's idea),
         and near the cache limit a new write open is served, whose writes wait for room.
-        Reads: a generation whole in this cache (not one being fetched or read live)."""
+        Reads: served by the daemon (see below)."""
         with self.lock:
             h = self._handles.get(fh)
             if h is None or h.live or h.fd < 0:
@@ -238,8 +238,10 @@ class ClientVFS(Base):
                     return None
                 w.direct = True
                 return h.fd
-            if h.complete or (h.ino, h.gen) in self._complete:
-                return h.fd
+            # reads stay served: every write open in a cluster is a new generation, and the
+            # kernel allows one backing file per inode -- a reader passed through to the old
+            # generation would turn the next write open here away (EBUSY) or, served, into
+            # the old file
             return None
 
     def journal_unjournaled(self) -> list[int]:
