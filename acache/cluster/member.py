@@ -50,7 +50,9 @@ class Member:
         self.transport = transport_from_settings(settings)
         self._conns: dict[str, object] = {}
         self._rid = 0
-        self._boot = f"{time.time_ns():x}"
+        # this process (a restart gets another): request ids, and the identity a node
+        # starting under the same node_id asks for (_register)
+        self._boot = f"{time.time_ns():x}-{os.urandom(4).hex()}"
         self._addr: dict[str, str] = {}
         self._lock = threading.Lock()
         # one campaign at a time: the campaign thread and every namespace call waiting for a
@@ -89,12 +91,17 @@ class Member:
             self.sessions.register(self.listener)
         self.listener.register("ns", self._serve_ns)
         self.listener.advertise("ns_ops", schema.served())
+        self.listener.advertise("node", {"id": node_id, "boot": self._boot})
         self.listener.start()
         caps = ("rdma",) if self.transport.name == "rdma" and getattr(self.transport, "dev", None) else ()
         if self.worker:
             from acache.cluster.placement import WORKER
             caps += (WORKER,)
-        self.registration = self.cluster.register(node_id, self.address, caps, ttl=LEASE_TTL)
+        try:
+            self.registration = self._register(caps)
+        except AcacheError:
+            self._close_unjoined()
+            raise
         self.vfs.recover()
         self._campaign_once()
         self._rejoin()
@@ -129,6 +136,66 @@ class Member:
                               f"cluster's other nodes use ({self.settings.meta}); not joining. "
                               f"(If the cluster's secret was changed on purpose, delete the etcd "
                               f"key {key.decode(errors='replace')} once every node has the new one.)")
+
+    def _register(self, caps: tuple[str, ...]):
+        """Register this node unless its node_id is another live process's: one process per
+        id.  A live registration of the id may be this node's own from before a kill -9 (its
+        lease not expired yet) or another process (a cloned VM, two pods with one host name):
+        the registered address is asked who it is (the handshake's ``node``).  The same id
+        under another boot token: refused, before anything is written (no registration, no
+        campaign: the running node notices nothing).  No answer, another id, or this very
+        process (same address, after a restart): stale, replaced as before.  Two starting at
+        once: the register is guarded (acache.meta.cluster), the loser refuses the same way."""
+        from acache.meta.cluster import IdInUse
+        held = self.cluster.holder(self.node_id)
+        expect = 0
+        if held is not None:
+            addr = held.record.address if held.record else None
+            who = self._who_is(addr) if addr else None
+            if who is not None and who.get("id") == self.node_id and who.get("boot") != self._boot:
+                raise self._in_use(addr)
+            log.info("node_id %s has a live registration at %s (%s): taken as this node's own "
+                     "from before a restart", self.node_id, addr,
+                     "it does not answer" if who is None else "another node answers there"
+                     if who.get("id") != self.node_id else "this process answers there")
+            expect = held.revision
+        try:
+            return self.cluster.register(self.node_id, self.address, caps, ttl=LEASE_TTL,
+                                         expect=expect)
+        except IdInUse as e:
+            raise self._in_use(e.holder.record.address if e.holder and e.holder.record
+                               else "an unknown address") from None
+
+    def _who_is(self, address: str) -> dict | None:
+        """What the node at ``address`` says it is (its handshake's ``node``: id, boot);
+        None if nothing answers there (or a node of an acache that does not say)."""
+        try:
+            c = self.transport.connect(address)
+        except (TransportError, OSError) as e:
+            log.debug("asking %s who it is: %s", address, e)
+            return None
+        try:
+            who = c.peer_capabilities.get("node")
+        finally:
+            c.close()
+        return who if isinstance(who, dict) else None
+
+    def _in_use(self, address: str):
+        from acache.errors import ConfigError
+        msg = (f"node_id {self.node_id!r} is in use: a live node of cluster {self.settings.meta} "
+               f"at {address} is registered under it; not joining (give this node another "
+               f"node_id, in its config or ACACHE_NODE_ID)")
+        log.error("%s", msg)
+        return ConfigError(msg)
+
+    def _close_unjoined(self) -> None:
+        """Undo the start before registering: nothing of it is in etcd."""
+        for _ in range(NOTE_THREADS):
+            self._notes.put(None)
+        self.listener.close()
+        if not self.worker:
+            self.vfs.close()
+        self.client.close()
 
     # -- peers ---------------------------------------------------------------------------
     def address_of(self, node_id: str) -> str:

@@ -13,6 +13,15 @@ the lease expires anyway (etcd unreachable for longer than the TTL) the registra
 them again under a new lease.  Registering an id that is already registered replaces its
 record (a restart of the same node).
 
+One process per id: ``register`` is a txn guarded by the alive key's ``mod_revision`` as the
+caller saw it (``expect``; 0: no live registration) -- from ``holder(id)``, after the caller
+made sure that registration is a stale one of its own (acache.cluster.member asks the
+address).  Of two processes registering one id at once only one wins; the other gets
+``IdInUse`` naming the winner.  (A keepalive does not change the key's mod_revision; a
+re-registration does.)  A lost reply is told apart by the alive key's value: the caller's
+own new lease id.  A re-registration after a lost lease expects no alive key, so it never
+replaces a process that took the id meanwhile.
+
 Inode numbers: ``reserve_inodes(n)`` is a compare-and-swap on the counter (its mod_revision).
 A CAS whose reply was lost and whose retry then fails is *not* assumed to be ours: the loop
 reads again and reserves again, so a batch may be wasted (as it is when a client dies holding
@@ -28,7 +37,7 @@ from typing import Callable
 
 import msgpack
 
-from acache.meta.etcd import Compare, Delete, EtcdClient, Event, Keepalive, Put, Watch
+from acache.meta.etcd import Compare, Delete, EtcdClient, Event, Keepalive, Put, Range, Watch
 from acache.meta.schema import from_u64, u64
 
 log = logging.getLogger("acache.meta.cluster")
@@ -63,6 +72,22 @@ class MemberEvent:
     revision: int
 
 
+@dataclass(frozen=True)
+class Holder:
+    """The live registration of an id: its record and its alive key's mod_revision."""
+    record: NodeRecord | None       # None: an alive key without a record (a removed node)
+    revision: int
+
+
+class IdInUse(Exception):
+    """Another live registration holds the id (``holder``: who, as read after the refusal)."""
+
+    def __init__(self, node_id: str, holder: Holder | None) -> None:
+        addr = holder.record.address if holder and holder.record else "an unknown address"
+        super().__init__(f"node {node_id} is registered and alive at {addr}")
+        self.node_id, self.holder = node_id, holder
+
+
 class Registration:
     """A registered node: its lease kept alive until :meth:`stop` (which revokes it)."""
 
@@ -75,12 +100,22 @@ class Registration:
         self._lock = threading.Lock()
         self._stopped = False
         self.renewals = 0
+        self.taken: Holder | None = None    # set if another process took the id meanwhile
 
-    def _put(self) -> None:
-        c = self.cluster.client
+    def _put(self, expect: int = 0) -> None:
+        """Put the record and the alive key under a new lease if the alive key's mod_revision
+        is still ``expect`` (0: absent); IdInUse if another registration got there first."""
+        c, nid = self.cluster.client, self.record.id
         lease = c.lease_grant(self.ttl)
-        c.txn([], [Put(self.cluster.node_key(self.record.id), self.record.pack()),
-                   Put(self.cluster.alive_key(self.record.id), str(lease).encode(), lease)])
+        alive = self.cluster.alive_key(nid)
+        mine = str(lease).encode()
+        res = c.txn([Compare.mod_revision(alive, expect)],
+                    [Put(self.cluster.node_key(nid), self.record.pack()), Put(alive, mine, lease)])
+        if not res.succeeded:
+            cur = c.get(alive)
+            if cur is None or cur.value != mine:     # not our own lost-reply attempt
+                c.lease_revoke(lease)
+                raise IdInUse(nid, self.cluster.holder(nid))
         with self._lock:
             if self._stopped:
                 c.lease_revoke(lease)
@@ -91,7 +126,16 @@ class Registration:
     def _lost(self, lease_id: int) -> None:
         log.warning("node %s: its liveness lease expired; registering again", self.record.id)
         self.renewals += 1
-        threading.Thread(target=self._put, name="etcd-reregister", daemon=True).start()
+        threading.Thread(target=self._reput, name="etcd-reregister", daemon=True).start()
+
+    def _reput(self) -> None:
+        try:
+            self._put()
+        except IdInUse as e:
+            self.taken = e.holder
+            log.error("node %s: another process registered this node_id while this node's "
+                      "lease was lost (%s); this node stays unregistered: stop it, or give one "
+                      "of them another node_id", self.record.id, e)
 
     def stop(self) -> None:
         """Stop the keepalive and revoke the lease (the member shows down at once)."""
@@ -122,10 +166,20 @@ class Cluster:
 
     # -- membership --------------------------------------------------------------------------
     def register(self, node_id: str, address: str, capabilities: tuple[str, ...] = (),
-                 ttl: float = 10.0) -> Registration:
+                 ttl: float = 10.0, expect: int = 0) -> Registration:
+        """Register ``node_id`` if its alive key's mod_revision is ``expect`` (0: no live
+        registration; else the one ``holder`` returned, known stale); IdInUse otherwise."""
         reg = Registration(self, NodeRecord(node_id, address, tuple(capabilities), time.time()), ttl)
-        reg._put()
+        reg._put(expect)
         return reg
+
+    def holder(self, node_id: str) -> Holder | None:
+        """The live registration of ``node_id`` (None: it has none)."""
+        res = self.client.txn([], [Range(self.alive_key(node_id)), Range(self.node_key(node_id))])
+        alive, node = res.responses
+        if not alive:
+            return None
+        return Holder(NodeRecord.unpack(node[0].value) if node else None, alive[0].mod_revision)
 
     def members(self) -> list[Member]:
         """Every registered node, alive or down, by id (one consistent snapshot)."""

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.acache_node import fuse_mounts
 from tests.cluster_local import LocalCluster
 from tests.e2e.conftest import ENGINES, _need_fuse
 
@@ -369,3 +370,101 @@ def _creates(path) -> bool:
         if e.errno != errno.EIO:
             raise
         return False
+
+
+def _etcd_state(c: LocalCluster, node_id: str) -> dict:
+    """What a second node under ``node_id`` must leave alone: the node's record and alive
+    key, the head key, the namespace's fence (value, mod_revision, lease of each)."""
+    from acache.meta.etcd import EtcdClient
+    e = EtcdClient.from_url(c.url)
+    try:
+        keys = [f"members/node/{node_id}", f"members/alive/{node_id}", "head", "ns/kvmeta/fence"]
+        out = {}
+        for k in keys:
+            kv = e.get(e.prefix + k.encode())
+            out[k] = None if kv is None else (kv.value, kv.mod_revision, kv.lease)
+        return out
+    finally:
+        e.close()
+
+
+def test_a_second_node_with_a_live_node_id_refuses(tmp_path, etcd1):
+    """Two nodes started with one node_id (two pods with one host name): the second's `up`
+    and `mount` exit non-zero with one line naming the id, the first's address and node_id;
+    the first notices nothing (etcd's keys of it untouched, its mount works, it is head)."""
+    from tests.acache_node import AcacheNode
+    from tests.cluster_local import free_port
+    with LocalCluster(tmp_path, etcd1, 1) as c:
+        first = c.nodes[0]
+        assert c.wait_head() == "n1"
+        (first.mnt / "before").write_bytes(b"before")
+        addr = next(ln for ln in (first.home / "config.toml").read_text().splitlines()
+                    if ln.startswith("listen")).split('"')[1]
+        before = _etcd_state(c, "n1")
+        assert before["members/alive/n1"] is not None and before["head"] is not None
+        dup = AcacheNode(tmp_path / "dup", ufs=c.ufs,
+                         config=f'meta = "{c.url}"\nlisten = "127.0.0.1:{free_port()}"\n'
+                                f'node_id = "n1"\n')
+        try:
+            for cmd in (["up"], ["mount", str(dup.mnt)]):
+                r = dup.cli(*cmd, check=False, timeout=120)
+                lines = r.stderr.strip().splitlines()
+                print(f"acache {cmd[0]}: exit {r.returncode}: {r.stderr.strip()}")
+                assert r.returncode != 0 and len(lines) == 1, r.stderr
+                assert "Traceback" not in r.stderr and "Traceback" not in dup.log_tail(400)
+                line = lines[0]
+                assert line.startswith("acache: error: node_id 'n1' is in use"), line
+                assert addr in line and "another node_id" in line, line
+                assert dup.pid() is None, "the refused node is still running"
+            assert str(dup.mnt) not in fuse_mounts()
+        finally:
+            dup.stop()
+        assert _etcd_state(c, "n1") == before
+        (first.mnt / "after").write_bytes(b"after")
+        assert (first.mnt / "after").read_bytes() == b"after"
+        assert (first.mnt / "before").read_bytes() == b"before"
+        assert c.head() == "n1"
+        st = first.status()["cluster"]
+        assert [(n["id"], n["alive"]) for n in st["nodes"]] == [("n1", True)]
+        first.flush(timeout=60)
+        assert c.ufs_files() == {"before": b"before", "after": b"after"}
+
+
+def test_restart_after_kill9_while_the_old_lease_lives(tmp_path, etcd1):
+    """A node killed -9 restarts under its own id while its old registration still looks
+    alive (the test keeps the dead process's lease alive, as etcd does for up to the TTL):
+    on the same address (the restarted node answers there itself) and on another one (nothing
+    answers at the old address), it joins, becomes head again and its mount works."""
+    from acache.meta.etcd import EtcdClient
+    from tests.cluster_local import free_port
+    with LocalCluster(tmp_path, etcd1, 1, flush_delay=600) as c:
+        node = c.nodes[0]
+        assert c.wait_head() == "n1"
+        e = EtcdClient.from_url(c.url)
+        try:
+            for i, new_port in enumerate((False, True)):
+                data = os.urandom(100_000 + i)
+                (node.mnt / f"f{i}").write_bytes(data)
+                old = e.get(e.prefix + b"members/alive/n1")
+                ka = e.keepalive(old.lease, 3.0)
+                try:
+                    node.kill9()
+                    assert e.get(e.prefix + b"members/alive/n1") == old   # still "alive"
+                    if new_port:
+                        cfg = node.home / "config.toml"
+                        cfg.write_text("\n".join(
+                            f'listen = "127.0.0.1:{free_port()}"' if ln.startswith("listen")
+                            else ln for ln in cfg.read_text().splitlines()) + "\n")
+                    node.restart()
+                finally:
+                    ka.stop()
+                now = e.get(e.prefix + b"members/alive/n1")
+                assert now is not None and now.lease != old.lease
+                assert c.wait_head() == "n1"
+                assert (node.mnt / f"f{i}").read_bytes() == data
+                (node.mnt / f"g{i}").write_bytes(b"after restart")
+                assert "taken as this node's own" in node.log_tail(400)
+            node.flush(timeout=60)
+            assert sorted(c.ufs_files()) == ["f0", "f1", "g0", "g1"]
+        finally:
+            e.close()

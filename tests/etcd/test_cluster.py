@@ -8,6 +8,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from acache.meta.cluster import Cluster
 from acache.meta.etcd import EtcdClient
 from tests.etcd.helpers import LossyClient, wait_for
@@ -137,3 +139,89 @@ def test_revision_orders_acknowledged_changes(etcd1, etcd_name):
         assert before < rev <= after
     finally:
         c.close()
+
+
+def test_one_live_registration_per_id(etcd1, etcd_name):
+    """Two processes registering one id at once: exactly one wins, the other gets IdInUse
+    naming the winner's address (and leaves no lease behind).  Replacing a registration needs
+    the alive key's revision as it was when found stale; an older one is refused."""
+    from acache.meta.cluster import IdInUse
+    prefix = f"/acache/{etcd_name}/".encode()
+    clients = [EtcdClient(etcd1.endpoints, prefix=prefix) for _ in range(2)]
+    won: list = []
+    lost: list = []
+    go = threading.Barrier(2)
+
+    def start(i: int) -> None:
+        cl = Cluster(clients[i])
+        go.wait()
+        try:
+            won.append(cl.register("n", f"10.0.0.{i + 1}:7070", ttl=5))
+        except IdInUse as e:
+            lost.append(e)
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(won) == 1 and len(lost) == 1, (won, lost)
+        winner = won[0].record.address
+        assert lost[0].holder.record.address == winner and winner in str(lost[0])
+        cl = Cluster(clients[0])
+        held = cl.holder("n")
+        assert held is not None and held.record.address == winner
+        alive = clients[0].get(cl.alive_key("n"))
+        assert alive.value == str(won[0].lease_id).encode() and alive.lease == won[0].lease_id
+        # a stale registration is replaced with the revision it was found at ...
+        again = cl.register("n", "10.0.0.9:7070", ttl=5, expect=held.revision)
+        assert cl.holder("n").record.address == "10.0.0.9:7070"
+        # ... and not with an older one (someone replaced it since)
+        with pytest.raises(IdInUse) as ei:
+            Cluster(clients[1]).register("n", "10.0.0.8:7070", ttl=5, expect=held.revision)
+        assert "10.0.0.9:7070" in str(ei.value)
+        assert Cluster(clients[1]).holder("absent") is None
+        again.stop()
+        won[0].stop()
+    finally:
+        for c in clients:
+            c.close()
+
+
+class _LoseTxnReply(LossyClient):
+    """Every txn is applied, its first reply lost (sent again: the retry's compare fails)."""
+
+    def txn(self, *a, **kw):
+        self.drop = 1
+        return super().txn(*a, **kw)
+
+
+def test_a_registration_whose_reply_was_lost_is_ours(etcd1, etcd_name):
+    prefix = f"/acache/{etcd_name}/".encode()
+    c = _LoseTxnReply(etcd1.endpoints, prefix=prefix)
+    try:
+        reg = Cluster(c).register("n", "10.0.0.1:7070", ttl=5)
+        assert c.dropped >= 1
+        assert c.get(Cluster(c).alive_key("n")).value == str(reg.lease_id).encode()
+        reg.stop()
+    finally:
+        c.close()
+
+
+def test_a_lost_lease_is_not_registered_again_over_another_process(etcd1, etcd_name):
+    """While a node's lease was lost, another process registered its id: the node's
+    re-registration leaves that one alone and says so."""
+    prefix = f"/acache/{etcd_name}/".encode()
+    c1, c2 = (EtcdClient(etcd1.endpoints, prefix=prefix) for _ in range(2))
+    try:
+        reg = Cluster(c1).register("n", "10.0.0.1:7070", ttl=5)
+        reg._ka.stop()                      # its keepalive would put it again by itself
+        c1.lease_revoke(reg.lease_id)       # the lease lost (expired): the alive key is gone
+        other = Cluster(c2).register("n", "10.0.0.2:7070", ttl=5)
+        reg._reput()                        # what the lost keepalive does
+        assert reg.taken is not None and reg.taken.record.address == "10.0.0.2:7070"
+        assert c1.get(Cluster(c1).alive_key("n")).value == str(other.lease_id).encode()
+        other.stop()
+    finally:
+        c1.close()
+        c2.close()
