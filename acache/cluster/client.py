@@ -396,6 +396,12 @@ class ClientVFS(Base):
             except BaseException:
                 self.ns("end_write", ino=ino, gen=gen)
                 raise
+        elif w is None and not self.cache.exists(ino, gen):
+            # the head lets this node write its own generation in place, which is not here
+            self.ns("end_write", ino=ino, gen=gen)
+            log.error("open of inode %d for writing: its generation %d is not in this node's "
+                      "cache", ino, gen)
+            raise FsError(errno.EIO)
         elif r.get("trunc"):
             os.truncate(self.cache.path(ino, gen), 0)   # O_TRUNC of what this node writes
         fd = self.cache.acquire(ino, gen, create=True, write=True)

@@ -228,6 +228,25 @@ class HeadVFS(VFS):
                     node.size = 0
                 return {"gen": node.gen, "same": True, "src": None, "holder": node.node,
                         "attr": attr_dict(self.attr(node))}
+            if place is None and node.node == holder and node.cached and node.nlink > 0 \
+                    and not self._remote_open(ino, node.gen) \
+                    and self._newest_unstarted(ino, node.gen):
+                # its holder opens it again and its pending PUT is the journal's newest entry,
+                # not started, read by nobody: nothing can overtake it, so the holder writes
+                # its cache file in place and the next close journals it again -- no copy of
+                # the whole file (fio's create, fallocate, close, reopen), as on one host
+                txn = self.meta.txn()
+                journal.on_reopen(self.meta, txn, self.persister, node)
+                if trunc:
+                    node.size = 0
+                    node.synced = min(node.synced, 0)
+                    node.mtime_ns = node.ctime_ns = time.time_ns()
+                node.dirty = True
+                txn.save(node)
+                txn.commit()
+                self.writers[ino] = [holder, 1]
+                return {"gen": node.gen, "same": True, "src": None, "holder": node.node,
+                        "attr": attr_dict(self.attr(node))}
             src = None if trunc or not node.size else self._source(node)
             new_holder = place(ino, self.placed_load) if place is not None else holder
             old_gen, old_holder = node.gen, node.node

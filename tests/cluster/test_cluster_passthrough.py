@@ -102,3 +102,65 @@ def test_fsync_then_kill9_of_the_member_keeps_what_fsync_acknowledged(tmp_path, 
         c.node(head_id).flush(timeout=120)
         got = c.ufs_files()
         assert got.get("open-at-crash", b"")[:len(acked)] == acked
+
+
+def test_fsync_after_a_forks_flush_then_kill9(tmp_path, etcd1):
+    """A fork + exec while the file is open sends a FLUSH (the child's copy of the
+    descriptor closes): the head journals the file empty.  The parent writes on through
+    passthrough (the daemon sees none of it) and fsyncs: the fsync reopens it at the head, so
+    that after kill -9 of the member and its restart the fsynced bytes are published, not
+    the empty close (without the reopen the under-storage got 0 bytes)."""
+    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=600) as c:
+        head_id = c.wait_head()
+        m = next(n for n in c.nodes if n.root.name != head_id)
+        acked = os.urandom((3 << 20) + 5)
+        f = open(m.mnt / "ckpt", "wb")
+        try:
+            subprocess.run(["true"], check=True)       # the child's FLUSH: size 0
+            f.write(acked)
+            f.flush()
+            os.fsync(f.fileno())
+            assert (c.node(head_id).mnt / "ckpt").stat().st_size == len(acked)
+            assert writes_seen(m) == 0
+            tail = os.urandom(1 << 20)
+            f.write(tail)                               # not acknowledged, in the page cache
+            f.flush()
+            m.kill9()
+        finally:
+            try:
+                f.close()
+            except OSError:
+                pass
+        m.restart()
+        c.node(head_id).flush(timeout=120)
+        got = c.ufs_files()["ckpt"]
+        assert len(got) >= len(acked) and got[:len(acked)] == acked, \
+            f"{len(got)} bytes persisted, {len(acked)} fsynced"
+        # past what fsync acknowledged: at most what the cache file held, never other bytes
+        assert got[len(acked):] == tail[:len(got) - len(acked)]
+
+
+def test_reopen_by_its_holder_writes_in_place(tmp_path, etcd1):
+    """fio's create, fallocate, close, reopen: the holder reopens a file whose PUT has not
+    started and nobody reads -- written in place (no copy of the whole file into a new
+    generation), journaled again at its close.  With a reader open elsewhere, a reopen
+    gets a generation of its own, and that reader keeps reading what it opened."""
+    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=600) as c:
+        a, b = c.nodes
+        data = os.urandom(4 << 20)
+        (a.mnt / "f").write_bytes(data)
+        with open(a.mnt / "f", "r+b") as f:
+            f.seek(1 << 20)
+            f.write(b"in place")
+        ino = os.stat(a.mnt / "f").st_ino
+        gens = sorted((a.home / "cache" / "data").glob(f"{ino:x}.*"))
+        assert len(gens) == 1, gens                 # the same generation: nothing copied
+        want = data[:1 << 20] + b"in place" + data[(1 << 20) + 8:]
+        assert (b.mnt / "f").read_bytes() == want
+        with open(b.mnt / "f", "rb") as r:          # B reads; A rewrites: a new generation
+            with open(a.mnt / "f", "r+b") as f:
+                f.write(b"new gen")
+            assert r.read() == want
+        assert (b.mnt / "f").read_bytes() == b"new gen" + want[7:]
+        a.flush()
+        assert c.ufs_files() == {"f": b"new gen" + want[7:]}
