@@ -36,6 +36,14 @@ class FsError(AcacheError):
         self.errno = err
 
 
+class NewFile(FsError):
+    """A write open asked to keep its generation's file (``same_file``) would need a new
+    generation: refused before anything changed."""
+
+    def __init__(self) -> None:
+        super().__init__(_errno.EBUSY, "a write open needs a new generation")
+
+
 class MetaError(FsError):
     """The metadata store could not write an operation's batch: nothing of it was applied
     (memory is back to what the store holds), and the mount answers EIO."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from acache.cluster.client import ClientVFS, _ctx
 from acache.cluster.remote_write import RemoteWriter
-from acache.errors import FsError, UnderStoreError
+from acache.errors import FsError, NewFile, UnderStoreError
 from acache.fs.types import Attr, StatFs
 from acache.fs.vfs import NAME_MAX
 from acache.net.transport import RemoteError, TransportError
@@ -172,8 +172,10 @@ class CachelessVFS(ClientVFS):
         self._handles[fh].append = bool(flags & os.O_APPEND)
         return fh, self._overlay(self._attr(r["attr"]))
 
-    def open(self, ino: int, flags: int, ctx=None) -> int:
+    def open(self, ino: int, flags: int, ctx=None, same_file: bool = False) -> int:
         if (flags & os.O_ACCMODE) != os.O_RDONLY:
+            if same_file:
+                raise NewFile()    # never asked: nothing here is passed through
             trunc = bool(flags & os.O_TRUNC)
             with self._ino_lock(ino):
                 r = self.ns("open_write", ino=ino, trunc=trunc, place=True)

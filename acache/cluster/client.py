@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from acache.errors import FsError, UnderStoreError
+from acache.errors import FsError, NewFile, UnderStoreError
 from acache.fs.api import Base
 from acache.fs.files import _libc, check_fallocate
 from acache.fs.types import Attr, Ctx, StatFs
@@ -425,9 +425,11 @@ class ClientVFS(Base):
             fh = self._open_write(r["ino"], r)
         return fh, self._overlay(self._attr(r["attr"]))
 
-    def open(self, ino: int, flags: int, ctx=None) -> int:
+    def open(self, ino: int, flags: int, ctx=None, same_file: bool = False) -> int:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         if writable:
+            if same_file:
+                raise NewFile()    # the head may give it a new generation: not promised
             self.cache.wait_for_room()
             trunc = bool(flags & os.O_TRUNC)
             with self._ino_lock(ino):

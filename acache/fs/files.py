@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from acache.errors import AcacheError, FsError
+from acache.errors import AcacheError, FsError, NewFile
 from acache.fs.api import Base
 from acache.meta import journal
 from acache.meta.store import Inode
@@ -148,7 +148,7 @@ class FileOps(Base):
             self._lookups[node.ino] = self._lookups.get(node.ino, 0) + 1
             return fh, self.attr(node)
 
-    def open(self, ino: int, flags: int, ctx=None) -> int:
+    def open(self, ino: int, flags: int, ctx=None, same_file: bool = False) -> int:
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         trunc = writable and bool(flags & os.O_TRUNC)
         node = self._node(ino)
@@ -163,7 +163,7 @@ class FileOps(Base):
                         self._pins[ino] = self._pins.get(ino, 0) + 1
                     pinned = True
                     self._fill_whole(node)
-            return self._open_locked(ino, writable, trunc)
+            return self._open_locked(ino, writable, trunc, same_file)
         finally:
             if pinned:
                 with self.lock:
@@ -171,7 +171,7 @@ class FileOps(Base):
                     if not self._pins[ino]:
                         del self._pins[ino]
 
-    def _open_locked(self, ino: int, writable: bool, trunc: bool) -> int:
+    def _open_locked(self, ino: int, writable: bool, trunc: bool, same_file: bool) -> int:
         with self.lock:
             node = self._node(ino)
             if not writable:
@@ -202,6 +202,8 @@ class FileOps(Base):
                 self._sig.pop(ino, None)
             elif self.meta.gen_pending(ino, node.gen) or self.persister.uses(ino, node.gen) \
                     or not node.cached:
+                if same_file:
+                    raise NewFile()
                 node.gen += 1
                 if trunc or not node.cached:
                     self.cache.create_empty(ino, node.gen)
@@ -261,6 +263,13 @@ class FileOps(Base):
         if node is None or (h.gen == node.gen and not node.cached):
             return None
         return h.fd
+
+    def backing_fd(self, fh: int) -> int | None:
+        """The cache file ``fh`` reads and writes, passed through or not: the engine must
+        never pass an open through to another file (an older generation's)."""
+        with self.lock:
+            h = self._handles.get(fh)
+            return h.fd if h is not None else None
 
     def passthrough_fd(self, fh: int, opening: bool = False) -> int | None:
         """The cache fd the kernel may read and write directly for ``fh``, or None.

@@ -197,3 +197,53 @@ def test_passthrough_writes_are_counted_and_held_back_near_the_limit(tmp_path):
             n.flush(timeout=120)
         finally:
             n.stop()
+
+
+def test_a_write_open_near_the_limit_never_writes_into_a_readers_generation(tmp_path):
+    """Near the limit a write open is served by the daemon, but the kernel passes every open
+    of an inode with a backing file through to that file: a writer rewriting a file that a
+    reader holds open (passed through to the old generation) must wait for the reader, then
+    get EBUSY -- never write into the old generation's file (the reader would see the new
+    bytes, and the new generation would stay empty)."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.fail("e2e tests need /dev/fuse and root")
+    with S3Server() as srv:
+        env = {f"ACACHE_S3_{k.upper()}": str(v) for k, v in srv.options().items()}
+        env.update(ACACHE_CACHE_SIZE="32MiB", ACACHE_STALL_TIMEOUT="3")
+        n = AcacheNode(tmp_path / "n", engine="native", ufs=srv.url(f"t-{uuid.uuid4().hex[:8]}"),
+                       extra_env=env)
+        n.start()
+        try:
+            assert n.status()["passthrough"]
+            old = random.Random(4).randbytes(MiB)
+            (n.mnt / "a").write_bytes(old)
+            srv.stop()                               # nothing is persisted, nothing evicted
+            reader = os.open(n.mnt / "a", os.O_RDONLY)   # passed through to generation 1
+            try:
+                (n.mnt / "more").write_bytes(random.Random(5).randbytes(28 * MiB))
+                # 29 of 32 MiB used: a new write open is not passed through
+                err = 0
+                try:
+                    fd = os.open(n.mnt / "a", os.O_WRONLY | os.O_TRUNC)
+                except OSError as e:
+                    err = e.errno
+                else:
+                    try:
+                        os.write(fd, b"N" * 4096)
+                    finally:
+                        os.close(fd)
+                assert os.pread(reader, len(old), 0) == old, \
+                    "the reader's generation changed under it"
+                assert err == errno.EBUSY, \
+                    "the writer did not wait for the reader" if err == 0 else os.strerror(err)
+            finally:
+                os.close(reader)
+            # refused before anything changed: the O_TRUNC did not empty the file
+            assert (n.mnt / "a").read_bytes() == old
+            with open(n.mnt / "a", "r+b") as f:      # the reader gone, a writer may open
+                f.write(b"N" * 4096)
+            assert (n.mnt / "a").read_bytes() == b"N" * 4096 + old[4096:]
+            srv.start()
+            n.flush(timeout=120)
+        finally:
+            n.stop()

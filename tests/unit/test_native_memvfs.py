@@ -322,7 +322,7 @@ class MemVFS(Base):
 
     # --- files -----------------------------------------------------------------------------
 
-    def open(self, ino: int, flags: int, ctx: Ctx) -> int:
+    def open(self, ino: int, flags: int, ctx: Ctx, same_file: bool = False) -> int:
         with self.lock:
             n = self._node(ino)
             if n.children is not None:

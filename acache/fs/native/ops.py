@@ -13,7 +13,7 @@ import os
 import stat
 import threading
 
-from acache.errors import FsError
+from acache.errors import FsError, NewFile
 from acache.fs.overlap import Overlap
 from acache.fs.native import proto
 from acache.fs.native.passthrough import OpenTable
@@ -100,7 +100,8 @@ class Ops:
     def _open_reply(self, ino: int, fh: int, flags: int) -> bytes:
         writable = _writable(flags)
         open_flags, backing_id = self.table.open(ino, fh, writable,
-                                                 lambda: self.vfs.passthrough_fd(fh, True))
+                                                 lambda: self.vfs.passthrough_fd(fh, True),
+                                                 lambda: self.vfs.backing_fd(fh))
         if not writable:
             # the FLUSH of a read-only handle does nothing (only a writer's close journals):
             # one round trip less per open + close
@@ -291,7 +292,7 @@ class Ops:
 
     def open(self, req: Request):
         flags, open_flags = proto.OPEN_IN.unpack_from(req.body)
-        fh = self.vfs.open(req.nodeid, flags, req.ctx())
+        fh = self._open(req, flags)
         if self.shared and self.inval_attr is not None:
             # another host may have changed the file since the kernel cached its size:
             # close-to-open means this open must see it (a read past a stale size is cut)
@@ -306,6 +307,18 @@ class Ops:
             self._undo_open(fh)()
             raise
         return Reply(out, self._undo_open(fh))
+
+    def _open(self, req: Request, flags: int) -> int:
+        """vfs.open, but a write open of a file that readers hold passed through to its
+        generation (the kernel allows one backing file per inode) must not move to a new
+        generation's file: it waits for those readers first (then EBUSY), before anything
+        changed -- refused after the open, an O_TRUNC would have emptied the file."""
+        if _writable(flags) and self.table.held_by_readers(req.nodeid):
+            try:
+                return self.vfs.open(req.nodeid, flags, req.ctx(), same_file=True)
+            except NewFile:
+                self.table.wait_readers(req.nodeid)
+        return self.vfs.open(req.nodeid, flags, req.ctx())
 
     def read(self, req: Request):
         fh, offset, size = proto.READ_IN.unpack_from(req.body)[:3]

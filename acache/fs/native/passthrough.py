@@ -100,12 +100,19 @@ class OpenTable:
         self._warned: set[int] = set()
 
     def open(self, ino: int, fh: int, writable: bool,
-             passthrough_fd: Callable[[], int | None]) -> tuple[int, int]:
-        """Record an open; returns (fuse open_flags, backing_id) for the OPEN reply."""
+             passthrough_fd: Callable[[], int | None],
+             own_fd: Callable[[], int | None] = lambda: None) -> tuple[int, int]:
+        """Record an open; returns (fuse open_flags, backing_id) for the OPEN reply.
+        ``own_fd``: the file the handle reads and writes when it is not to be passed through
+        (a write open near the cache limit).  The kernel passes every open of an inode that
+        has a backing file through to it, so such an open of another file (a new generation
+        while a reader holds the old one) waits for that backing to close, then EBUSY:
+        never are its writes sent into the old generation's file."""
         fd = passthrough_fd() if self.passthrough else None
+        mine = fd if fd is not None or not self.passthrough else own_fd()
         ident = None
-        if fd is not None:
-            st = os.fstat(fd)
+        if mine is not None:
+            st = os.fstat(mine)
             ident = (st.st_dev, st.st_ino)
         with self._lock:
             io = self._inodes.setdefault(ino, _InodeIO())
@@ -133,6 +140,18 @@ class OpenTable:
             if use_pt:
                 return proto.FOPEN_PASSTHROUGH, io.backing_id
             return 0, 0
+
+    def held_by_readers(self, ino: int) -> bool:
+        """Is the inode passed through to a file that only readers hold?  A write open
+        may then keep to that file (in place), not move to a new generation's."""
+        with self._lock:
+            io = self._inodes.get(ino)
+            return io is not None and io.backing_id is not None and not io.write_opens
+
+    def wait_readers(self, ino: int) -> None:
+        """Wait for the readers' backing file of ``ino`` to close (then EBUSY)."""
+        with self._lock:
+            self._wait_for_backing_close(ino)
 
     def _wait_for_backing_close(self, ino: int) -> _InodeIO:
         """The inode is passed through to another cache file than this open's (called with
