@@ -17,7 +17,7 @@ this extends); the bytes are never on this host:
   RemoteFile: a few chunks of read-ahead in memory, no cache file here.
 * a worker that dies (or answers an error) fails the files written to it -- every later
   write, fsync and close of them is EIO -- and nothing else; what an fsync acknowledged is on
-  its disk and is published when it rejoins (HeadVFS.rejoin).
+  its disk and is published when it rejoins (HeadNamespace.rejoin).
 
 Not supported here: fallocate (EOPNOTSUPP), mmap writes through a shared mapping are plain
 writes as with any FUSE file without writeback caching.
@@ -34,7 +34,7 @@ from acache.cluster.client import ClientVFS, _ctx
 from acache.cluster.remote_write import RemoteWriter
 from acache.errors import FsError, NewFile, UnderStoreError
 from acache.fs.types import Attr, StatFs
-from acache.fs.vfs import NAME_MAX
+from acache.fs.namespace import NAME_MAX
 from acache.net.transport import RemoteError, TransportError
 
 log = logging.getLogger("acache.cluster.cacheless")

@@ -31,7 +31,7 @@ from acache.errors import FsError, NewFile, UnderStoreError
 from acache.fs.api import Base
 from acache.fs.files import _libc, check_fallocate
 from acache.fs.types import Attr, Ctx, StatFs
-from acache.fs.vfs import NAME_MAX
+from acache.fs.namespace import NAME_MAX
 
 log = logging.getLogger("acache.cluster.client")
 ENTRY_TIMEOUT = 1.0
@@ -118,12 +118,6 @@ class ClientVFS(Base):
     # -- namespace: the head's -----------------------------------------------------------
     def lookup(self, parent: int, name: bytes, ctx: Ctx | None = None) -> Attr:
         return self._overlay(self._attr(self.ns("lookup", parent=parent, name=name)))
-
-    def incref(self, ino: int) -> None:
-        pass
-
-    def forget(self, items) -> None:
-        pass
 
     def getattr(self, ino: int, fh: int | None = None) -> Attr:
         return self._overlay(self._attr(self.ns("getattr", ino=ino)))

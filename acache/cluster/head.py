@@ -26,6 +26,7 @@ import errno
 import itertools
 import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import asdict
@@ -33,10 +34,11 @@ from typing import Callable, Mapping
 
 from acache.cluster import sessions as S
 from acache.data.persister import Persister
+from acache.data.readthrough import ReadThrough
 from acache.errors import AcacheError, FsError
 from acache.fs.overlap import Overlap
-from acache.fs.types import Ctx
-from acache.fs.vfs import VFS
+from acache.fs.namespace import Namespace
+from acache.fs.types import Attr, Ctx
 from acache.meta import journal
 from acache.meta.store import Inode
 
@@ -87,14 +89,18 @@ class CallEdge:
         return out
 
 
-class HeadVFS(VFS):
-    """The single-host VFS, for the namespace of a cluster: opens come from nodes by id."""
+class HeadNamespace(Namespace):
+    """The namespace of a cluster (acache.fs.namespace), with its open files: opens come
+    from nodes by id, as write and read sessions; no file is open in this process."""
 
     def __init__(self, meta, cache, under, persister: Persister, *, node_id: str,
                  notify: Callable[[str, str, int, int], None], chunk_size: int = 8 << 20) -> None:
-        hook = cache.evict_hook
-        super().__init__(meta, cache, under, persister, chunk_size=chunk_size)
-        cache.evict_hook = hook          # the node's ClientVFS owns its cache directory
+        super().__init__(meta, cache, under, persister)
+        # the persister's copies pulled from holders (Head._pull) go through a ReadThrough
+        self.fetch = ReadThrough(under, chunk_size, cache=cache)
+        self.fetch.settle = getattr(persister, "wait_moves", None)
+        persister.gc = self.gc_gen
+        meta.on_freed = self.gc_gen
         self.node_id = node_id
         self.notify = notify             # (holder, "drop"|"clean", ino, gen), best effort
         # ino -> [the node writing it, 1 while a handle there is not closed, 0 once its last
@@ -109,7 +115,6 @@ class HeadVFS(VFS):
         # old gens a writer copies from: (ino, gen) -> {node: writers copying}
         self.pinned: dict[tuple[int, int], dict[str, int]] = loaded.pinned
         self._holder_of: dict[tuple[int, int], str] = loaded.holder_of   # superseded gens still held
-        self._wopen = self.writers       # the inherited VFS code's view of the open writers
         # the write sessions of cacheless writers, by inode: the worker each was placed on,
         # and per worker how many are open (what bounds the next placement: placement.bounded)
         self.placed: dict[int, str] = loaded.placed
@@ -120,26 +125,31 @@ class HeadVFS(VFS):
             log.info("head: %d write sessions, %d read-open and %d copied generations loaded",
                      len(loaded.writers), len(loaded.ropens), len(loaded.pinned))
 
-    def journal_unjournaled(self) -> list[int]:
-        return []                        # a close is journaled by the head or fails (EIO)
+    # the namespace's size of a file open for writing is what its writer's close or fsync
+    # recorded (the writer's ClientVFS overlays its own): _write_fd stays Namespace's None --
+    # the head's cache may hold that generation too, an empty copy being filled for a reader
+    # here, and its size is not the file's
 
-    def _write_fd(self, node: Inode) -> int | None:
-        """Never this node's cache file: a file open for writing is written on its writer's
-        node (whose ClientVFS overlays its own size), so the namespace's size is what that
-        node's close or fsync recorded.  The head's cache may hold that generation too -- an
-        empty copy being filled for a reader here -- and its size is not the file's."""
-        return None
+    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx: Ctx,
+              holder: str = "") -> Attr:
+        """A regular file made by mknod(2) on ``holder``: created and closed empty."""
+        if not stat.S_ISREG(mode):
+            raise FsError(errno.EPERM)
+        holder = holder or self.node_id
+        out = self.create_file(parent, name, mode, os.O_WRONLY | os.O_EXCL, ctx, holder)
+        now = time.time_ns()
+        self.close_write(out["ino"], out["gen"], holder, 0, now, now)
+        self.end_write(out["ino"], out["gen"], holder)
+        return self.getattr(out["ino"])
 
     # -- who has what open -------------------------------------------------------------
     def _open_count(self, ino: int) -> int:
-        n = super()._open_count(ino)
-        if ino in self.writers:
-            n += 1
+        n = 1 if ino in self.writers else 0
         return n + sum(sum(d.values()) for (i, _), d in self.ropens.items() if i == ino)
 
     def _remote_open(self, ino: int, gen: int) -> bool:
         return bool(self.ropens.get((ino, gen))) or bool(self.pinned.get((ino, gen))) or \
-            (ino in self.writers and self.meta.get(ino) is not None and self.meta.get(ino).gen == gen)
+            (ino in self.writers and getattr(self.meta.get(ino), "gen", None) == gen)
 
     def gc_gen(self, ino: int, gen: int) -> None:
         # once what made the generation unneeded has landed in etcd: a failed write restores
@@ -352,7 +362,7 @@ class HeadVFS(VFS):
             if w is not None and w[0] == holder:
                 w[1] = 0                 # closed there; the session ends with its RELEASE
             node = self.meta.get(ino)
-            if not self._writes(node, gen, holder):
+            if node is None or not self._writes(node, gen, holder):
                 return
             txn = self.meta.txn()
             if w is not None and w[0] == holder:
@@ -409,7 +419,7 @@ class HeadVFS(VFS):
         """fsync on the holder: its bytes are durable there; the size is recorded durably."""
         with self.lock:
             node = self.meta.get(ino)
-            if not self._writes(node, gen, holder):
+            if node is None or not self._writes(node, gen, holder):
                 self.meta.sync()
                 return
             node.size = size

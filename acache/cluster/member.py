@@ -24,7 +24,7 @@ import time
 
 from acache.cluster import schema
 from acache.cluster.client import ClientVFS
-from acache.cluster.head import CallEdge, HeadVFS, attr_dict
+from acache.cluster.head import CallEdge, HeadNamespace, attr_dict
 from acache.data import barrier
 from acache.errors import AcacheError, FsError, MetaError, UnderStoreError
 from acache.fs.types import Ctx
@@ -550,7 +550,7 @@ class _Head:
         self.meta = MetaStore(self.kv)
         self.persister = Persister(self.meta, member.cache, member.under,
                                    flush_delay=s.flush_delay, concurrency=s.upload_concurrency)
-        self.vfs = HeadVFS(self.meta, member.cache, member.under, self.persister,
+        self.vfs = HeadNamespace(self.meta, member.cache, member.under, self.persister,
                            node_id=member.node_id, notify=member.notify, chunk_size=s.chunk_size)
         self.persister.pull = self._pull
         self.persister.stage_elsewhere = self._stage_elsewhere
@@ -721,7 +721,7 @@ class _Head:
         return attr_dict(self.vfs.symlink(r.parent, r.name, r.target, self._ctx(r)))
 
     def op_mknod(self, frm, r):
-        return attr_dict(self.vfs.mknod(r.parent, r.name, r.mode, r.rdev, self._ctx(r)))
+        return attr_dict(self.vfs.mknod(r.parent, r.name, r.mode, r.rdev, self._ctx(r), frm))
 
     def op_readlink(self, frm, r):
         return {"target": self.vfs.readlink(r.ino)}
@@ -742,14 +742,9 @@ class _Head:
 
     def op_readdir(self, frm, r):
         """One page of a directory's entries from ``offset`` (``more``: ask again from ``next``)."""
-        fh = self.vfs.opendir(r.ino)
-        try:
-            part = self.vfs.readdir(fh, int(r.offset))
-            page = part[:self.READDIR_PAGE]
-            return {"entries": [[n, attr_dict(at)] for n, at, _ in page],
-                    "next": page[-1][2] if page else 0, "more": len(part) > len(page)}
-        finally:
-            self.vfs.releasedir(fh)
+        page, more = self.vfs.list_page(r.ino, int(r.offset), self.READDIR_PAGE)
+        return {"entries": [[n, attr_dict(at)] for n, at, _ in page],
+                "next": page[-1][2] if page else 0, "more": more}
 
     def op_sync(self, frm, r):
         self.meta.sync()

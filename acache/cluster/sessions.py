@@ -3,7 +3,7 @@
 Who has which file open is what the head's rules rest on: one writer per file (a second
 node's open for writing is EBUSY), and the generations a reader elsewhere still reads (or a
 writer still copies from) are kept on their holder after the file was overwritten.  The head
-keeps them in memory (HeadVFS.writers / ropens / pinned) and writes every change of them in
+keeps them in memory (HeadNamespace.writers / ropens / pinned) and writes every change of them in
 the batch of the operation that made it, so a new head -- after a kill -9 of the old one --
 loads them and enforces the same rules (as JuiceFS keeps its sessions in its engine, 3FS its
 file sessions in FoundationDB):
@@ -65,7 +65,7 @@ def save_count(txn, key: bytes, count: int, holder: str) -> None:
 
 
 class Loaded:
-    """What the KV holds, in the shapes HeadVFS keeps in memory."""
+    """What the KV holds, in the shapes HeadNamespace keeps in memory."""
 
     def __init__(self) -> None:
         self.writers: dict[int, list] = {}
@@ -97,7 +97,7 @@ def load(kv) -> Loaded:
 
 
 def nodes_of(*tables: Iterable) -> set[str]:
-    """The nodes that have a session in HeadVFS's tables."""
+    """The nodes that have a session in HeadNamespace's tables."""
     out: set[str] = set()
     for t in tables:
         for v in t:

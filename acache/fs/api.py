@@ -82,6 +82,14 @@ class Base:
     def lookup_fast(self, parent: int, name: bytes) -> Attr | None:
         return None                       # no answer from memory: the engine calls lookup
 
+    # the kernel's lookup counts: inodes live in the store, whoever knows their number, so
+    # there is nothing to keep or drop (an unlinked file lives while it is open, not looked up)
+    def incref(self, ino: int) -> None:
+        return None
+
+    def forget(self, items) -> None:
+        return None
+
     def getattr_fast(self, ino: int) -> Attr | None:
         return None
 

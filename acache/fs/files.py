@@ -235,12 +235,6 @@ class FileOps(Base):
                 self.gc_gen(ino, old_gen)
             return fh
 
-    def _newest_unstarted(self, ino: int, gen: int) -> bool:
-        pend = [e for e in self.meta.puts_of(ino) if e.gen == gen]
-        return bool(pend) and self.meta.newest_seq() == pend[-1].seq \
-            and not self.persister.uses(ino, gen) \
-            and all(self.persister.state(e.seq) == "" for e in pend)
-
     def _fill_whole(self, node: Inode) -> None:
         """Fetch a read-through file completely (before it is opened for writing)."""
         with self.lock:
