@@ -119,7 +119,6 @@ class FileOps(Base):
                 raise FsError(errno.EISDIR)
             fh = self.open(existing.ino, flags, ctx)
             with self.lock:
-                self._lookups[existing.ino] = self._lookups.get(existing.ino, 0) + 1
                 return fh, self.attr(existing)
         self.cache.wait_for_room()
         with self.lock:
@@ -145,7 +144,6 @@ class FileOps(Base):
                 raise
             self.cache.note(node.ino, 0, dirty=True, size=0)
             fh = self._new_handle(node, True, fd)
-            self._lookups[node.ino] = self._lookups.get(node.ino, 0) + 1
             return fh, self.attr(node)
 
     def open(self, ino: int, flags: int, ctx=None, same_file: bool = False) -> int:
