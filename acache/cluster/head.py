@@ -96,10 +96,10 @@ class HeadNamespace(Namespace):
     def __init__(self, meta, cache, under, persister: Persister, *, node_id: str,
                  notify: Callable[[str, str, int, int], None], chunk_size: int = 8 << 20) -> None:
         super().__init__(meta, cache, under, persister)
-        # the persister's copies pulled from holders (Head._pull) go through a ReadThrough
+        # the persister's copies pulled from holders (_Head.pull, acache.cluster.member) go through a ReadThrough
         self.fetch = ReadThrough(under, chunk_size, cache=cache)
         self.fetch.settle = getattr(persister, "wait_moves", None)
-        persister.gc = self.gc_gen
+        persister.attach(self)
         meta.on_freed = self.gc_gen
         self.node_id = node_id
         self.notify = notify             # (holder, "drop"|"clean", ino, gen), best effort
@@ -143,6 +143,9 @@ class HeadNamespace(Namespace):
         return self.getattr(out["ino"])
 
     # -- who has what open -------------------------------------------------------------
+    def withdraw_put(self, e) -> bool:
+        return False                     # a writer's own close re-journals (ClientVFS)
+
     def _open_count(self, ino: int) -> int:
         n = 1 if ino in self.writers else 0
         return n + sum(sum(d.values()) for (i, _), d in self.ropens.items() if i == ino)

@@ -548,12 +548,13 @@ class _Head:
         self.member = member
         self.kv = EtcdKV(member.client, member.client.prefix + b"ns/")
         self.meta = MetaStore(self.kv)
+        # the bytes of a PUT are on its holder: pulled or staged from there (Holders)
         self.persister = Persister(self.meta, member.cache, member.under,
-                                   flush_delay=s.flush_delay, concurrency=s.upload_concurrency)
+                                   flush_delay=s.flush_delay, concurrency=s.upload_concurrency,
+                                   holders=self)
         self.vfs = HeadNamespace(self.meta, member.cache, member.under, self.persister,
-                           node_id=member.node_id, notify=member.notify, chunk_size=s.chunk_size)
-        self.persister.pull = self._pull
-        self.persister.stage_elsewhere = self._stage_elsewhere
+                                 node_id=member.node_id, notify=member.notify,
+                                 chunk_size=s.chunk_size)
         self._no_parts: set[str] = set()    # holders that said they take no parts: pulled
         self.cache = member.cache
         from acache.cluster.placement import Placement
@@ -584,11 +585,11 @@ class _Head:
         finally:
             self.meta.close()            # what is queued is written, then the KV closed
 
-    def _stage_elsewhere(self, e, progress, on_token):
+    def stage_elsewhere(self, e, progress, on_token):
         """Stage PUT ``e`` with no copy of its bytes here: its holder uploads each part
         from its own cache file, this node (the head) creates, records and later completes
         the upload in order.  None where that cannot be (the holder is this node, a small
-        file sent whole, an under-storage without parts): ``_pull`` copies it here first."""
+        file sent whole, an under-storage without parts): ``pull`` copies it here first."""
         holder, under = e.node, self.member.under
         if not holder or holder == self.member.node_id or e.size == 0 or holder in self._no_parts:
             return None
@@ -657,7 +658,7 @@ class _Head:
             self.member._drop_conn(holder)
             raise UnderStoreError(f"{what}: {err}", retryable=True) from None
 
-    def _pull(self, e) -> None:
+    def pull(self, e) -> None:
         """Copy the bytes of PUT ``e`` from its holder into this cache (before staging)."""
         import os
         from acache.errors import UnderStoreError

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from acache.data.cache import CacheDir
 from acache.data.under.base import Attrs, Staged, UnderStore
@@ -36,8 +36,38 @@ log = logging.getLogger("acache.persister")
 RATE_WINDOW = 10.0         # s of history rate() keeps
 WINDOW = 256             # how far past the head staging may run
 
-# Persister.stage_elsewhere(entry, progress, on_token): the stage, or None when it cannot
-StageElsewhere = Callable[[Entry, Callable[[int], None], Callable[[str], None]], Staged | None]
+class Files(Protocol):
+    """What the persister asks of the layer that owns the cache files it uploads (one host's
+    VFS, the cluster head's namespace), handed once with :meth:`Persister.attach`."""
+
+    def gc_gen(self, ino: int, gen: int) -> None:
+        """An applied or dropped entry no longer needs generation ``gen``'s cache file."""
+
+    def withdraw_put(self, e: Entry) -> bool:
+        """Asked under the lock before staged PUT ``e`` commits: True when it was withdrawn
+        (its file was written after the close that journaled it)."""
+
+
+class Holders(Protocol):
+    """A cluster head's: a PUT's bytes are on the node that holds them (Entry.node), not
+    necessarily in this cache (acache.cluster.member._Head)."""
+
+    def pull(self, e: Entry) -> None:
+        """Copy ``e``'s bytes from their holder into this cache (a stage thread; raises
+        UnderStoreError to retry); its cache file is not checked before that."""
+
+    def stage_elsewhere(self, e: Entry, progress: Callable[[int], None],
+                        on_token: Callable[[str], None]) -> Staged | None:
+        """Stage ``e`` with no copy here (S3 multipart: the holder sends the parts); None
+        where that cannot be (then: pull)."""
+
+
+class _NoFiles:
+    def gc_gen(self, ino: int, gen: int) -> None:
+        return None
+
+    def withdraw_put(self, e: Entry) -> bool:
+        return False
 
 
 class _Aborted(Exception):
@@ -68,7 +98,8 @@ class Job:
 
 class Persister:
     def __init__(self, meta: MetaStore, cache: CacheDir, under: UnderStore, *,
-                 flush_delay: float = 1.0, concurrency: int = 4) -> None:
+                 flush_delay: float = 1.0, concurrency: int = 4,
+                 holders: Holders | None = None) -> None:
         self.meta, self.cache, self.under = meta, cache, under
         self.flush_delay = flush_delay
         self.clock = meta.clock        # the clock of Entry.t (flush delay) and of retries
@@ -93,18 +124,8 @@ class Persister:
         self._committing: dict[int, Entry] = {}
         self.commit_pool = ThreadPoolExecutor(concurrency, thread_name_prefix="acache-commit")
         self._outage = False                    # the last attempt failed: probe, one at a time
-        self.gc: Callable[[int, int], None] = lambda ino, gen: None
-        self.on_applied: Callable[[Entry], None] = lambda e: None
-        # asked (under the lock) before a staged PUT commits: True when the VFS withdrew it
-        # (its file was written after the close that journaled it)
-        self.withdraw: Callable[[Entry], bool] = lambda e: False
-        # a cluster's head (acache.cluster.head): a PUT whose bytes another node holds is
-        # copied from it into this cache before it is staged (``pull``, on a stage thread;
-        # raises UnderStoreError to retry), and its cache file is not checked before that
-        self.pull: Callable[[Entry], None] | None = None
-        # a cluster's head: stages a PUT from the node that holds its bytes, with no copy
-        # here (S3 multipart: the holder sends the parts); None when it cannot (then: pull)
-        self.stage_elsewhere: StageElsewhere | None = None
+        self.files: Files = _NoFiles()          # attach(): the owner of the cache files
+        self.holders = holders                  # a cluster's head: bytes on other nodes
         self._retry_at: dict[int, float] = {}   # seq -> self.clock() of the next try
         self._attempts: dict[int, int] = {}
         self.failed: dict[int, str] = {}        # seq -> permanent error message
@@ -171,6 +192,12 @@ class Persister:
             del self._staging_of[key]
 
     # -- control ---------------------------------------------------------------------
+    def attach(self, files: Files) -> None:
+        """The layer that owns the cache files (built after the persister: it needs it)."""
+        if not isinstance(self.files, _NoFiles):
+            raise RuntimeError("the persister's cache files have an owner already")
+        self.files = files
+
     def start(self) -> None:
         self._thread.start()
 
@@ -346,7 +373,7 @@ class Persister:
             if e.seq not in self._committing and e.path not in paths and e.ino not in inos \
                     and self._head_ready(e):
                 job = self.jobs[e.seq]
-                if job.error is None and self.withdraw(e):
+                if job.error is None and self.files.withdraw_put(e):
                     break        # the journal changed under the scan: look again
                 picks.append((e, job))
                 room -= 1
@@ -428,7 +455,7 @@ class Persister:
                 f"`acache journal skip {e.seq}` to give this entry up)")
 
     def _start_stage(self, e: Entry) -> None:
-        problem = "" if self.pull is not None else self._cache_problem(e)
+        problem = "" if self.holders is not None else self._cache_problem(e)
         if problem:    # never upload less than was acknowledged (an empty file over a good copy)
             if self.failed.get(e.seq) != problem:
                 log.error("persisting put %s failed: %s", e.path, problem)
@@ -446,7 +473,7 @@ class Persister:
         txn.commit()
         job = Job(e, ticket=txn.ticket)
         self._add_job(job)
-        if self.pull is None and self.under.local_stage(e.size):
+        if self.holders is None and self.under.local_stage(e.size):
             self._inline.append(job)      # no thread hop for a read of the cache file
         else:
             self.pool.submit(self._stage, job)
@@ -476,13 +503,13 @@ class Persister:
         try:
             # no byte under a stage whose record has not landed (a KV written behind)
             self.meta.wait_ticket(job.ticket)
-            if self.stage_elsewhere is not None and e.op == "put":
-                staged = self.stage_elsewhere(e, progress, on_token)
-            if staged is None and self.pull is not None and e.op == "put":
-                self.pull(e)
-                problem = self._cache_problem(e)
-                if problem:
-                    raise UnderStoreError(f"put {e.path}: {problem}", retryable=True)
+            if self.holders is not None and e.op == "put":
+                staged = self.holders.stage_elsewhere(e, progress, on_token)
+                if staged is None:
+                    self.holders.pull(e)
+                    problem = self._cache_problem(e)
+                    if problem:
+                        raise UnderStoreError(f"put {e.path}: {problem}", retryable=True)
             if staged is None:
                 staged = self.under.stage(e.path, e.token, self.cache.path(e.ino, e.gen),
                                           e.size, progress, attrs=Attrs.unpack(e.attrs),
@@ -536,7 +563,7 @@ class Persister:
                 except AcacheError:   # the token stays recorded: cleaned again at restart
                     pass
             self._aborting.pop(e.seq, None)
-            self.gc(e.ino, e.gen)
+            self.files.gc_gen(e.ino, e.gen)
             self.cond.notify_all()
 
     def _cleanup(self, token: str) -> bool:
@@ -728,8 +755,7 @@ class Persister:
             while len(r) >= 2 and r[1][0] < now - RATE_WINDOW:
                 r.popleft()
             r.append((now, self.bytes_done))
-            self.gc(e.ino, e.gen)
-        self.on_applied(e)
+            self.files.gc_gen(e.ino, e.gen)
         self.cond.notify_all()
 
     def _record(self, e: Entry) -> None:

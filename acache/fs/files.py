@@ -352,7 +352,7 @@ class FileOps(Base):
     def _gen_writers(self, ino: int, gen: int) -> bool:
         return bool(self._wgen.get((ino, gen)))
 
-    def _withdraw_put(self, e) -> bool:
+    def withdraw_put(self, e) -> bool:
         """Asked (under the lock) before a staged PUT commits.  A FLUSH journaled it while
         the generation stayed open for writing (a fork's copy of the descriptor was
         closed, a dup): if the bytes changed since -- passthrough writes never reach

@@ -28,6 +28,7 @@ from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under.base import UnderStore
 from acache.errors import FsError, UnderStoreError
+from acache.fs.api import Base
 from acache.fs.types import (RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT_INO, STATE_XATTR, UTIME_NOW,
                              Attr, Ctx, StatFs)
 from acache.meta import journal
@@ -42,7 +43,7 @@ def _now() -> int:
     return time.time_ns()
 
 
-class Namespace:
+class Namespace(Base):
     """Names, attributes and directories of one MetaStore, with the journal's rules."""
 
     def __init__(self, meta: MetaStore, cache: CacheDir, under: UnderStore,

@@ -38,8 +38,7 @@ class VFS(FileOps, Namespace):
         self.fetch = ReadThrough(under, chunk_size, cache=cache)
         self.fetch.settle = getattr(persister, "wait_moves", None)
         self._init_files()
-        persister.gc = self.gc_gen
-        persister.withdraw = self._withdraw_put
+        persister.attach(self)
         meta.on_freed = self.gc_gen
         cache.evict_hook = self._evict
 

@@ -12,18 +12,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from acache.cluster import schema
 from acache.config import Settings, check_layout
-from acache.data import barrier, limit
+from acache.data import limit
 from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under import open_store
-from acache.errors import AcacheError, ConfigError, FlushError, FsError, MetaError, UnderStoreError
+from acache.errors import AcacheError, ConfigError, UnderStoreError
 from acache.fs.native.mount import clean_stale_mount
 from acache.fs.vfs import VFS
-from acache.meta.kv_rocks import RocksKV
 from acache.meta.reserve import Reserve
 from acache.meta.store import MetaStore
+from acache.node.backend import Backend, Clustered, Single, Steps
 
 if TYPE_CHECKING:
     from acache.cluster.client import ClientVFS
@@ -84,14 +83,16 @@ class Node:
         # the RocksDB stays where it always was (<cache>/meta: existing nodes keep theirs),
         # with a reserve of room on that filesystem for it (acache.meta.reserve)
         self.reserve = Reserve(str(settings.cache_path / "meta.reserve"), settings.meta_reserve)
-        self.member: Member | None = None
-        self.meta: MetaStore | None = None         # single node only (a member: the head's)
-        self.persister: Persister | None = None    # single node only
-        self.vfs: VFS | ClientVFS
-        if settings.meta:
-            self._start_member(settings)
-        else:
-            self._start_single(settings)
+        self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
+                              settings.stall_timeout, reserve=self.reserve)
+        # where the namespace lives: this node's RocksDB, or a cluster's head (etcd)
+        self.backend: Backend = Clustered.open(settings, self.cache, self.under) \
+            if settings.meta else Single.open(settings, self.cache, self.under, self.reserve)
+        self.vfs: VFS | ClientVFS = self.backend.vfs
+        # for the metrics and tests: the cluster's Member, or one host's store and persister
+        self.member: Member | None = getattr(self.backend, "member", None)
+        self.meta: MetaStore | None = getattr(self.backend, "meta", None)
+        self.persister: Persister | None = getattr(self.backend, "persister", None)
         self.cache.start_monitor()
         if self.cache.effective_limit() < self.cache.limit:
             log.warning("the cache filesystem has room for %d MiB of cache only (its free space "
@@ -106,44 +107,7 @@ class Node:
         self.metrics: MetricsServer | None = None   # acache.node.metrics.MetricsServer, started by serve_metrics()
         log.info("node up: cache %s (limit %d bytes), under-storage %s, %s",
                  settings.cache_path, self.cache.limit, settings.ufs_url,
-                 f"member {self.member.node_id} of {settings.meta}" if self.member is not None
-                 else f"{self._single()[0].journal_len()} journal entries pending")
-
-    def _start_single(self, settings: Settings) -> None:
-        self.kv = RocksKV(str(settings.cache_path / "meta"), self.reserve)
-        self.meta = meta = MetaStore(self.kv)
-        self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
-                              settings.stall_timeout, reserve=self.reserve)
-        self.persister = persister = Persister(meta, self.cache, self.under,
-                                               flush_delay=settings.flush_delay,
-                                               concurrency=settings.upload_concurrency)
-        self.cache.on_stall = lambda: persister.hurry(meta.last_seq())
-        self.vfs = vfs = VFS(meta, self.cache, self.under, persister,
-                             chunk_size=settings.chunk_size)
-        rec = vfs.recover()
-        if any(rec.values()):
-            log.info("recovered after a crash: %s", rec)
-        persister.start()
-
-    def _single(self) -> tuple[MetaStore, Persister, VFS]:
-        """The metadata, persister and VFS of a single node (a member has neither)."""
-        assert self.meta is not None and self.persister is not None and \
-            isinstance(self.vfs, VFS), "not a cluster member"
-        return self.meta, self.persister, self.vfs
-
-    def _start_member(self, settings: Settings) -> None:
-        """A member of a cluster (acache.cluster): the namespace is the head's, in etcd."""
-        import socket
-        from acache.cluster.member import Member
-        if not settings.listen:
-            raise ConfigError(f"meta = {settings.meta} ({settings.source('meta')}) makes this node "
-                              "a cluster member: set listen = \"HOST:PORT\" (the address peers "
-                              "reach it at; advertise if that differs)")
-        self.cache = CacheDir(str(settings.cache_path), settings.resolved_cache_size(),
-                              settings.stall_timeout, reserve=self.reserve)
-        node_id = settings.node_id or socket.gethostname().split(".")[0]
-        self.member = member = Member(settings, self.cache, self.under, node_id)
-        self.vfs = member.vfs
+                 self.backend.describe())
 
     def serve_metrics(self) -> None:
         """Start the /metrics endpoint if ``metrics`` is set (ConfigError if it cannot listen)."""
@@ -177,9 +141,9 @@ class Node:
                     why = f"no passthrough ({why}); the native engine serves the data itself"
                 return "native", why, lambda mp: NativeEngine(self.vfs, mp, passthrough=ok,
                                                               max_stack_depth=depth,
-                                                              entry_timeout=NATIVE_ENTRY_TIMEOUT
-                                                              if getattr(self, "member", None) is None
-                                                              else 1.0)
+                                                              entry_timeout=1.0 if
+                                                              self.backend.shared
+                                                              else NATIVE_ENTRY_TIMEOUT)
             return "pyfuse3", f"no passthrough ({why}) and {why_not}", None
         if want == "pyfuse3":
             return "pyfuse3", "asked for", None
@@ -265,150 +229,38 @@ class Node:
             return path[len(self.mountpoint) + 1:] if path != self.mountpoint else ""
         raise ConfigError(f"{path} is not on the acache mount ({self.mountpoint or 'not mounted'})")
 
-    # -- the barrier ------------------------------------------------------------------------
+    # -- what the backend answers (acache.node.backend) ---------------------------------------
     def flush(self, path: str | None, timeout: float | None, progress=None) -> dict:
-        rel = self.rel(path)
-        member: Member | None = getattr(self, "member", None)
-        if member is not None:      # the barrier is the head's, for the whole cluster
-            try:
-                r = member.call(schema.Flush(path=rel, timeout=timeout))
-            except FsError as e:
-                raise FlushError(f"the cluster's barrier failed: {e}") from None
-            if not r.get("ok", True):
-                raise FlushError(r.get("error") or "the cluster's barrier failed")
-            return r
-        meta, vfs = self.meta, self.vfs      # (not _single(): tests call this on a stand-in)
-        assert meta is not None and isinstance(vfs, VFS), "not a cluster member"
-        t0 = time.monotonic()
-        try:    # files closed while a metadata write failed are not journaled yet
-            vfs.journal_unjournaled()
-        except MetaError as e:
-            raise FlushError(f"cannot journal every closed file: {e}") from None
-        meta.begin_barrier()
-        try:
-            return self._flush_wait(rel, timeout, progress, t0)
-        finally:
-            meta.end_barrier()
+        return self.backend.barrier(self.rel(path), timeout, progress)
 
-    def _flush_wait(self, rel: str, timeout: float | None, progress, t0: float) -> dict:
-        meta, persister, vfs = self.meta, self.persister, self.vfs   # (a stand-in: as flush)
-        assert meta is not None and persister is not None and isinstance(vfs, VFS)
-        return barrier.wait(meta, persister, self.cache, vfs._wopen, rel,
-                            timeout, progress, t0)
-
-    _under = staticmethod(barrier.under)
-
-    # -- status ------------------------------------------------------------------------------
     def status(self, path: str | None = None) -> dict:
-        if self.member is not None:
-            return self._member_status(self.member, path)
-        (meta, p, vfs), c = self._single(), self.cache
-        with meta.lock:
-            journal = meta.journal()
-            dirty_files = sum(1 for n in meta.inodes() if not n.is_dir and vfs.state(n) != "persisted")
-            out: dict[str, Any] = {
-                "pid": os.getpid(), "uptime": time.time() - self.started,
-                "mountpoint": self.mountpoint, "engine": self.engine_name,
-                "passthrough": bool(self.engine and self.engine.passthrough_active),
-                "ufs": self.settings.ufs_url, "cache_dir": str(self.settings.cache_path),
-                "cache_used": c.used(), "cache_limit": c.limit, "dirty_bytes": c.dirty_bytes(),
-                "cache_limit_now": c.effective_limit(), "meta_reserve_held": self.reserve.held,
-                "dirty_files": dirty_files, "queue": len(journal),
-                "queue_bytes": sum(e.size for e in journal),
-                "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
-                "persisted_files": p.files_done, "last_error": p.last_error,
-                "failed": len(p.failed), "stalls": c.stalls,
-                "failed_entries": [   # permanent failures hold back what comes after them
-                    {"seq": s, "op": e.op, "path": e.path, "dst": e.dst, "error": msg}
-                    for s, msg in sorted(p.failed.items())[:10]
-                    if (e := meta.entry(s)) is not None],
-                "ufs_reads": vfs.fetch.requests, "ufs_read_bytes": vfs.fetch.bytes_read,
-                "upload_limit": limit.describe(self.limiter.rate()),
-                "upload_limit_setting": self.limiter.schedule.text,
-                "uploaded_bytes": self.limiter.taken, "metrics": self.settings.metrics,
-                "time": time.time(),
-                "fuse_requests": getattr(self.engine, "op_counts", dict)(),   # native: by opcode
-            }
+        c = self.cache
+        out: dict[str, Any] = {
+            "pid": os.getpid(), "uptime": time.time() - self.started,
+            "mountpoint": self.mountpoint, "engine": self.engine_name,
+            "passthrough": bool(self.engine and self.engine.passthrough_active),
+            "ufs": self.settings.ufs_url, "cache_dir": str(self.settings.cache_path),
+            "cache_used": c.used(), "cache_limit": c.limit, "dirty_bytes": c.dirty_bytes(),
+            "cache_limit_now": c.effective_limit(), "meta_reserve_held": self.reserve.held,
+            "stalls": c.stalls, "time": time.time(), "metrics": self.settings.metrics,
+            "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
+            "upload_limit": limit.describe(self.limiter.rate()),
+            "upload_limit_setting": self.limiter.schedule.text,
+            "uploaded_bytes": self.limiter.taken,
+            "fuse_requests": getattr(self.engine, "op_counts", dict)(),   # native: by opcode
+        }
         # cache files the metadata did not know at start (listed outside the lock)
         out["lost_found_files"], out["lost_found_bytes"] = c.lost_found()
         out["lost_found_dir"] = c.lost_dir
-        q = p.queue_stats()
-        out.update(persisting_files=q["persisting_files"], persisting_bytes=q["persisting_bytes"],
-                   oldest_age=q["oldest_age"], upload_errors=q["errors"])
-        with meta.lock:
-            if path is not None:
-                rel = self.rel(path)
-                files: list[dict[str, Any]] = []
-                for n in meta.inodes():
-                    if n.is_dir or n.nlink == 0:
-                        continue
-                    fp = meta.path_of(n.ino)
-                    if self._under(fp, rel):
-                        # only a file open for writing needs an fstat for its size
-                        size = vfs.attr(n).size if n.ino in vfs._wopen else n.size
-                        files.append({"path": fp, "state": vfs.state(n),
-                                      "size": size, "note": n.local})
-                out["files"] = sorted(files, key=lambda f: f["path"])
-        return out
-
-    def _member_status(self, m: Member, path: str | None) -> dict:
-        c = self.cache
-        cluster: dict[str, Any] = {"meta": self.settings.meta, "node": m.node_id,
-                                   "address": m.address, "placement": self.settings.placement}
-        out: dict[str, Any] = {"pid": os.getpid(), "uptime": time.time() - self.started,
-               "mountpoint": self.mountpoint, "engine": self.engine_name,
-               "passthrough": bool(self.engine and self.engine.passthrough_active),
-               "ufs": self.settings.ufs_url,
-               "cache_dir": str(self.settings.cache_path), "cache_used": c.used(),
-               "cache_limit": c.limit, "dirty_bytes": c.dirty_bytes(),
-               "cache_limit_now": c.effective_limit(), "meta_reserve_held": self.reserve.held,
-               "stalls": c.stalls, "time": time.time(), "metrics": self.settings.metrics,
-               "ufs_reads": self.vfs.fetch.requests, "ufs_read_bytes": self.vfs.fetch.bytes_read,
-               "read_copy_skipped_bytes": self.vfs.fetch.copy_skipped,
-               "upload_limit": limit.describe(self.limiter.rate()),
-               "upload_limit_setting": self.limiter.schedule.text,
-               "uploaded_bytes": self.limiter.taken,
-               "fuse_requests": getattr(self.engine, "op_counts", dict)(),
-               "cluster": cluster}
-        out["lost_found_files"], out["lost_found_bytes"] = c.lost_found()
-        out["lost_found_dir"] = c.lost_dir
-        try:
-            cluster["nodes"] = m.peers()
-        except MetaError as e:
-            cluster["error"] = str(e)
-        try:
-            h = m.call(schema.Status(path=self.rel(path) if path else None))
-        except FsError as e:
-            h = {"error": f"the head does not answer: {e}"}
-        cluster.update(h)
-        for n in cluster.get("nodes", []):
-            files, size = (h.get("held") or {}).get(n["id"], (0, 0))
-            n["held_files"], n["held_bytes"] = files, size
-            n["placed_open"] = (h.get("placed_open") or {}).get(n["id"], 0)
-        for k in ("queue", "queue_bytes", "in_flight", "rate", "persisted_bytes",
-                  "persisted_files", "last_error", "failed"):
-            out[k] = h.get(k, 0 if k != "last_error" else h.get("error", ""))
-        out.update(dirty_files=h.get("queue", 0), failed_entries=[], persisting_files=0,
-                   persisting_bytes=0, oldest_age=0, upload_errors={})
+        self.backend.status(self.rel(path) if path is not None else None, out)
         return out
 
     # -- the journal, for the operator --------------------------------------------------------
     def journal(self, limit: int = 100) -> dict:
-        if self.member is not None:      # the journal is the head's, wherever it runs
-            return self.member.call(schema.Journal(limit=max(1, int(limit))))
-        total, entries = self._single()[1].entries(max(1, int(limit)))
-        return {"total": total, "entries": entries}
+        return self.backend.journal(limit)
 
     def journal_skip(self, seq: int, reason: str) -> dict:
-        if self.member is not None:
-            reason = (reason or "").strip()
-            if not reason:
-                raise ConfigError("say why the entry is skipped: --reason \"...\"")
-            return self.member.call(schema.JournalSkip(seq=int(seq), reason=str(reason)))
-        reason = (reason or "").strip()
-        if not reason:
-            raise ConfigError("say why the entry is skipped: --reason \"...\"")
-        return self._single()[1].skip(int(seq), reason)
+        return self.backend.journal_skip(seq, reason)
 
     def _stop_metrics(self) -> None:
         if self.metrics is not None:
@@ -425,24 +277,12 @@ class Node:
         if flush:
             self.flush(None, timeout)
             out["flushed"] = True
-        if self.member is not None:
-            for what, step in (("unmounting", lambda: self.engine is not None and self.umount()),
-                               ("leaving the cluster", self.member.close),
-                               ("closing the under-storage", self.under.close)):
-                try:
-                    step()
-                except Exception as e:
-                    log.error("%s failed while stopping: %s", what, e)
-            self.stopping.set()
-            return out
-        meta, persister, _ = self._single()
-        with meta.lock:
-            out["left_dirty"] = meta.journal_len()
-        for what, step in (("unmounting", lambda: self.engine is not None and self.umount()),
-                           ("stopping the persister", persister.stop),
-                           ("closing the metadata", meta.close),
-                           ("closing the under-storage", self.under.close),
-                           ("stopping the metrics endpoint", self._stop_metrics)):
+        out["left_dirty"] = self.backend.left_dirty()
+        steps: Steps = [("unmounting", lambda: self.engine is not None and self.umount())]
+        steps += self.backend.stop_steps()
+        steps += [("closing the under-storage", self.under.close),
+                  ("stopping the metrics endpoint", self._stop_metrics)]
+        for what, step in steps:
             try:
                 step()
             except Exception as e:

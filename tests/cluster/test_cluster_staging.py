@@ -1,5 +1,5 @@
 """The head stages a member's files with no copy of their bytes on the head
-(acache.cluster.member _Head._stage_elsewhere): over a real S3 server (moto) the member (the
+(acache.cluster.member _Head.stage_elsewhere): over a real S3 server (moto) the member (the
 file's holder) uploads the multipart parts from its own cache while the head creates,
 records and completes the upload in order; over a shared directory the member writes the
 stage's temp file and the head renames it into place in order.  A holder killed mid-upload

@@ -2,7 +2,7 @@
 directory) only if the holder serves that request: a node of an older acache (a rolling
 upgrade) lists no such op in its handshake, and would drop the connection at the request
 (an unknown op), so that every retry failed the same way and the journal stood still.  Its
-files are copied to the head instead (``_pull``).  One layer: a real TCP listener on
+files are copied to the head instead (``pull``).  One layer: a real TCP listener on
 loopback (its handshake is what tells the ops), a fake under-storage and member."""
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_an_older_holder_is_not_asked_to_stage(holder, shared_dir):
     under = Under(shared_dir)
     h, conns = head_with(under, lst.address)
     try:
-        assert h._stage_elsewhere(entry(), lambda n: None, lambda t: None) is None
+        assert h.stage_elsewhere(entry(), lambda n: None, lambda t: None) is None
         assert under.calls == []                     # no stage begun: the head pulls the file
         assert "b" in h._no_parts
         # the connection is still there: nothing was sent that the holder drops it for
@@ -89,7 +89,7 @@ def test_a_holder_that_serves_staging_is_asked(holder, shared_dir):
     under = Under(shared_dir)
     h, conns = head_with(under, lst.address)
     try:
-        staged = h._stage_elsewhere(entry(), lambda n: None, lambda t: None)
+        staged = h.stage_elsewhere(entry(), lambda n: None, lambda t: None)
         if shared_dir:
             assert staged == ("staged", {"etag": "e1", "ino": 7, "op": "data.stage_file"})
         else:

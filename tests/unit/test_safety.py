@@ -154,10 +154,8 @@ def test_failed_read_ahead_does_not_poison_its_chunk(tmp_path):
 def test_scoped_flush_does_not_rescan_the_journal_each_tick(tmp_path, monkeypatch):
     """`flush --wait PATH` finds what it waits for once; each wake-up only looks at those
     entries (it used to scan the whole journal and every job, per tick)."""
-    import types
-
     from acache.meta.store import Entry
-    from acache.node.daemon import Node
+    from acache.node.backend import Single
     r = Rig(tmp_path, store=MemStore("mem://t", delay=0.01), flush_delay=30)
     try:
         a = r.mkdir(ROOT_INO, b"a")
@@ -173,10 +171,7 @@ def test_scoped_flush_does_not_rescan_the_journal_each_tick(tmp_path, monkeypatc
             calls["n"] += 1
             return orig(self, prefix)
         monkeypatch.setattr(Entry, "touches", counting)
-        fake = types.SimpleNamespace(meta=r.meta, persister=r.p, vfs=r.vfs, cache=r.cache,
-                                     rel=lambda path: path)
-        fake._flush_wait = lambda *a: Node._flush_wait(fake, *a)
-        res = Node.flush(fake, "b", 60)       # waits behind the 40 commits of a/
+        res = Single(r.meta, r.cache, r.p, r.vfs).barrier("b", 60, None)   # behind a/'s 40
         assert res["ok"] and r.files()["b/last"] == b"y"
         assert calls["n"] <= n_entries, f"{calls['n']} checks for {n_entries} entries"
     finally:
