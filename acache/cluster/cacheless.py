@@ -164,7 +164,7 @@ class CachelessVFS(ClientVFS):
             w.active.add(fh)
         return fh
 
-    def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, object]:
+    def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, Attr]:
         r = self.ns("create", parent=parent, name=name, mode=mode, flags=flags, ctx=_ctx(ctx),
                     place=True)
         with self._ino_lock(r["ino"]):

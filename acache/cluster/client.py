@@ -411,7 +411,7 @@ class ClientVFS(Base):
             self._complete.add((ino, gen))
         return fh
 
-    def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, object]:
+    def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, Attr]:
         self.cache.wait_for_room()
         r = self.ns("create", parent=parent, name=name, mode=mode, flags=flags, ctx=_ctx(ctx))
         r["trunc"] = bool(flags & os.O_TRUNC)

@@ -72,7 +72,7 @@ class CacheDir:
         self._sizes = _Sizes()                             # bytes on disk per file we know
         self.dirty: set[tuple[int, int]] = set()           # files that may not be evicted
         self.lru: OrderedDict[int, int] = OrderedDict()    # clean ino -> gen, oldest first
-        self.evict_hook = None                             # (ino, gen) -> bool: evict if still clean
+        self.evict_hook: Callable[[int, int], bool] | None = None   # evict (ino, gen) if still clean
         self.on_stall: Callable[[], None] | None = None    # writers wait: persist now
         self.stalls = 0                                    # writers that waited for room
         self.stall_seconds = 0.0                           # ... how long, all together

@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass
 
 from acache.errors import AcacheError, FsError, NewFile
-from acache.fs.api import Base
+from acache.data.readthrough import ReadThrough
+from acache.fs.namespace import Namespace
+from acache.fs.types import Attr
 from acache.meta import journal
 from acache.meta.store import Inode
 
@@ -49,8 +51,9 @@ class Handle:
     closed: bool = False          # FLUSH seen (close(2) of one of its fds)
 
 
-class FileOps(Base):
-    """Mixed into VFS; uses self.meta, self.cache, self.persister, self.fetch, self.lock."""
+class FileOps(Namespace):
+    """The open files of one host, over its namespace (VFS puts them together)."""
+    fetch: ReadThrough          # the under-storage's bytes of files not cached (VFS makes it)
 
     def _init_files(self) -> None:
         self._handles: dict[int, Handle] = {}
@@ -109,7 +112,7 @@ class FileOps(Base):
         return upath
 
     # -- open / create ------------------------------------------------------------------
-    def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, object]:
+    def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, Attr]:
         self._check_name(name)
         existing = self._child(parent, name)
         if existing is not None:
@@ -546,8 +549,9 @@ class FileOps(Base):
             node = self._node(ino)
             if node.is_dir:
                 raise FsError(errno.EISDIR)
-            if self._wopen.get(ino):
-                os.ftruncate(self.cache.fd_of(ino, node.gen), size)
+            fd = self.cache.fd_of(ino, node.gen)
+            if self._wopen.get(ino) and fd is not None:
+                os.ftruncate(fd, size)
                 self._truncated(ino, node.gen, size)
                 return
         fh = self.open(ino, os.O_WRONLY | (os.O_TRUNC if size == 0 else 0))

@@ -315,7 +315,7 @@ class Pyfuse3Engine:
     def __init__(self, vfs, mountpoint: str, *, fsname: str = "acache") -> None:
         self.vfs, self.mountpoint, self.fsname = vfs, mountpoint, fsname
         self._thread: threading.Thread | None = None
-        self._token = None
+        self._token: trio.lowlevel.TrioToken | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._done = threading.Event()

@@ -65,7 +65,7 @@ class _Trio:
 def _patch_loop() -> None:
     if getattr(pyfuse3, "_acache_loop", None) is not None:
         return
-    loop = pyfuse3._session_loop    # looked up by name each time pyfuse3 starts a loop task
+    loop = pyfuse3._session_loop    # type: ignore[attr-defined]  # looked up by name each time pyfuse3 starts a loop task
 
     async def session_loop(*args) -> None:
         while True:
@@ -74,9 +74,9 @@ def _patch_loop() -> None:
             except BlockingIOError:   # the request was taken back after the check
                 log.debug("the FUSE request went away before it was read; waiting again")
 
-    pyfuse3._session_loop = session_loop
-    pyfuse3._acache_loop = session_loop
-    pyfuse3.trio = _Trio()
+    pyfuse3._session_loop = session_loop     # type: ignore[attr-defined]
+    pyfuse3._acache_loop = session_loop      # type: ignore[attr-defined]
+    pyfuse3.trio = _Trio()                   # type: ignore[attr-defined]
 
 
 def fuse_fds() -> set[int]:

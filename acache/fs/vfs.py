@@ -29,7 +29,7 @@ log = logging.getLogger("acache.vfs")
 __all__ = ["VFS", "NAME_MAX", "PATH_MAX"]
 
 
-class VFS(FileOps, Namespace):
+class VFS(FileOps):
     ordered_closes = True    # closes that overlapped may commit together (acache.fs.overlap)
 
     def __init__(self, meta: MetaStore, cache: CacheDir, under: UnderStore, persister: Persister,
@@ -145,19 +145,20 @@ class VFS(FileOps, Namespace):
             last_ino = self.meta.last_ino()
             lost = []
             for ino, gen in known:
-                node = self.meta.get(ino)
+                cur = self.meta.get(ino)
                 pending = self.meta.gen_pending(ino, gen)
-                current = node is not None and node.gen == gen
-                unknown = not pending and ((node is None and ino > last_ino)
-                                           or (node is not None and gen > node.gen))
+                current = cur is not None and cur.gen == gen
+                unknown = not pending and ((cur is None and ino > last_ino)
+                                           or (cur is not None and gen > cur.gen))
                 if unknown and os.stat(self.cache.path(ino, gen)).st_size > 0:
                     lost.append(self.cache.set_aside(ino, gen))
-                elif (not pending and not current) or (current and not node.cached):
+                elif (not pending and not current) or (cur is not None and current
+                                                       and not cur.cached):
                     self.cache.remove(ino, gen)
                     out["removed"] += 1
                 else:
-                    clean = current and not pending and not self.meta.puts_of(ino) \
-                        and node.upath is not None and not node.local
+                    clean = cur is not None and current and not pending \
+                        and not self.meta.puts_of(ino) and cur.upath is not None and not cur.local
                     self.cache.note(ino, gen, dirty=not clean)
             if lost:
                 out["lost+found"] = len(lost)

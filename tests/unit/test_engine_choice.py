@@ -16,7 +16,8 @@ def _choose(monkeypatch, tmp_path, want, *, probe, can_mount, passthrough=True):
     monkeypatch.setattr(native, "can_mount_natively", lambda: can_mount)
     monkeypatch.setattr(native, "required_stack_depth", lambda d: 1)
     fake = types.SimpleNamespace(settings=Settings(home=tmp_path, passthrough=passthrough),
-                                 cache=types.SimpleNamespace(dir=tmp_path), vfs=None)
+                                 cache=types.SimpleNamespace(dir=tmp_path), vfs=None,
+                                 backend=types.SimpleNamespace(shared=False))
     name, why, make = Node._choose_engine(fake, want)
     return name, why, make and make(str(tmp_path / "mnt"))
 

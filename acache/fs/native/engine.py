@@ -128,14 +128,15 @@ class NativeEngine:
         self._finished.wait()
 
     def _reap(self) -> None:
-        session = self._session
+        session, ops = self._session, self._ops
+        assert session is not None and ops is not None
         session.ended.wait()
         session.join(timeout=5.0)
         with self._lock:
             self._mounted = False
             try:
-                self._ops.release_all()
-                self._ops.table.close_all()
+                ops.release_all()
+                ops.table.close_all()
             except Exception:
                 log.exception("cleaning up after the FUSE session")
             if self._devfd is not None:

@@ -12,6 +12,7 @@ import logging
 import os
 import stat
 import threading
+from typing import Callable
 
 from acache.errors import FsError, NewFile
 from acache.fs.overlap import Overlap
@@ -49,8 +50,9 @@ class Ops:
         # a namespace other hosts change too (acache.cluster): no kept directory listings,
         # attributes dropped at every open (acache.fs.api: what a VFS offers)
         self.shared = bool(vfs.shared)
-        self.inval_attr = None
-        self.drop_pages = None      # set by the engine: the kernel's pages of an inode dropped
+        self.inval_attr: Callable[[int], None] | None = None
+        # set by the engine: the kernel's pages of an inode dropped
+        self.drop_pages: Callable[[int], None] | None = None
         # closes that overlapped in time may commit in parallel (acache.fs.overlap); one
         # host's journal only (a cluster's head orders the closes it is sent)
         self.overlap = Overlap() if vfs.ordered_closes and not self.shared else None

@@ -127,17 +127,18 @@ class OpenTable:
                     io.backing_file = ident
                     use_pt = True
                 except OSError as e:
-                    if e.errno not in self._warned:
-                        self._warned.add(e.errno)
+                    err = e.errno or 0
+                    if err not in self._warned:
+                        self._warned.add(err)
                         log.warning("FUSE passthrough refused for ino %d (%s); serving such "
-                                    "opens through the daemon", ino, os.strerror(e.errno))
+                                    "opens through the daemon", ino, os.strerror(err))
             if use_pt:
                 io.passthrough_opens += 1
             else:
                 io.cached_opens += 1
             io.write_opens += writable
             self._handles[fh] = _Handle(ino, writable, use_pt)
-            if use_pt:
+            if use_pt and io.backing_id is not None:
                 return proto.FOPEN_PASSTHROUGH, io.backing_id
             return 0, 0
 
@@ -302,7 +303,7 @@ def probe_passthrough(cache_dir: str) -> tuple[bool, str]:
                 why = {errno.EPERM: "not permitted (CAP_SYS_ADMIN?)",
                        errno.ELOOP: f"cache dir is stacked too deep (max_stack_depth={depth})",
                        errno.EINVAL: "the cache dir's file system cannot back passthrough"}
-                return False, f"FUSE passthrough refused: {why.get(e.errno, e.strerror)}"
+                return False, f"FUSE passthrough refused: {why.get(e.errno or 0) or e.strerror}"
         return True, (f"FUSE passthrough available (kernel {os.uname().release}, protocol "
                       f"7.{res.kernel_minor}, max_stack_depth={depth})")
     finally:

@@ -26,6 +26,7 @@ from typing import Callable
 from acache.errors import FsError
 from acache.fs.native import proto
 from acache.fs.opstats import OpStats
+from acache.fs.overlap import Overlap
 from acache.fs.types import Ctx
 
 log = logging.getLogger("acache.fs.native")
@@ -115,7 +116,7 @@ class Session:
                  threads: int, bufsize: int):
         self.devfd = devfd
         self.handlers = handlers
-        self.overlap = None      # set by the engine: acache.fs.overlap.Overlap (closes in parallel)
+        self.overlap: Overlap | None = None   # set by the engine (closes in parallel)
         self.nthreads = max(1, threads)
         self.bufsize = bufsize
         self.ended = threading.Event()
