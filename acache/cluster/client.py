@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from acache.errors import FsError, NewFile, UnderStoreError
-from acache.fs.api import Base
+from acache.cluster.remote_ns import RemoteNamespace, _ctx
 from acache.fs.files import _libc, check_fallocate
-from acache.fs.types import Attr, Ctx, StatFs
-from acache.fs.namespace import NAME_MAX
+from acache.fs.types import Attr
 
 log = logging.getLogger("acache.cluster.client")
 ENTRY_TIMEOUT = 1.0
@@ -63,26 +62,24 @@ class _Writing:
     sig: tuple = ()               # (size, mtime_ns) the last close sent to the head
 
 
-class ClientVFS(Base):
-    shared = True          # the mount engines: other hosts change this namespace too
+class ClientVFS(RemoteNamespace):
+    """A cluster node's open files, over the head's namespace (RemoteNamespace)."""
 
     def __init__(self, node_id: str, cache, under, ns: Callable[..., dict],
                  peer: Callable[[str], object], *, chunk_size: int = 8 << 20,
                  incarnation: Callable[[str], object] | None = None) -> None:
         from acache.data.readthrough import ReadThrough
+        super().__init__(ns, cache)
         self.node_id = node_id
-        self.cache, self.under = cache, under
-        self.ns = ns                       # ns(op, **args) -> dict (raises FsError)
+        self.under = under
         self.peer = peer                   # node id -> Conn
         # lag_ok: a copy here of a file another node holds is a cache for re-reads; a reader
         # is not held to this disk's write speed to keep it whole (a chunk left out is
         # fetched again when read again)
         self.fetch = ReadThrough(under, chunk_size, cache=cache, lag_ok=True)
-        self.lock = threading.RLock()
         self._handles: dict[int, _Handle] = {}
         self._fh = 0
         self._wopen: dict[int, _Writing] = {}
-        self._dirs: dict[int, list] = {}
         self._complete: set[tuple[int, int]] = set()   # local copies known whole
         self._drop_later: set[tuple[int, int]] = set()
         self._ino_locks: dict[int, threading.Lock] = {}
@@ -93,11 +90,7 @@ class ClientVFS(Base):
         self.incarnation = incarnation
         cache.evict_hook = self._evict
 
-    # -- helpers ------------------------------------------------------------------------
-    @staticmethod
-    def _attr(d: dict) -> Attr:
-        return Attr(**d)
-
+    # -- what the remote namespace asks of the open files here (RemoteNamespace) ---------
     def _overlay(self, a: Attr) -> Attr:
         # under the lock: the last release takes the session out of _wopen under it before
         # the cache closes the fd (else fstat of a closed -- or reused -- descriptor)
@@ -109,103 +102,10 @@ class ClientVFS(Base):
             a.mtime_ns, a.ctime_ns = max(a.mtime_ns, s.st_mtime_ns), max(a.ctime_ns, s.st_ctime_ns)
         return a
 
-    def after_failure(self, err: BaseException) -> bool:
-        return False
-
-    def attr(self, node) -> Attr:
-        return self.getattr(node.ino)
-
-    # -- namespace: the head's -----------------------------------------------------------
-    def lookup(self, parent: int, name: bytes, ctx: Ctx | None = None) -> Attr:
-        return self._overlay(self._attr(self.ns("lookup", parent=parent, name=name)))
-
-    def getattr(self, ino: int, fh: int | None = None) -> Attr:
-        return self._overlay(self._attr(self.ns("getattr", ino=ino)))
-
-    def setattr(self, ino: int, ctx: Ctx | None = None, fh: int | None = None, mode=None, uid=None,
-                gid=None, size=None, atime_ns=None, mtime_ns=None) -> Attr:
-        if size is not None:
-            self._truncate(ino, fh, size)
-        if {mode, uid, gid, atime_ns, mtime_ns} == {None}:
-            return self.getattr(ino)
+    def _mtime_set_here(self, ino: int, atime_ns: int | None, mtime_ns: int) -> None:
         w = self._wopen.get(ino)
-        if w is not None and mtime_ns is not None and mtime_ns >= 0:
+        if w is not None:    # keep fstat-based answers in step while it is written here
             os.utime(w.fd, ns=(atime_ns if atime_ns and atime_ns > 0 else mtime_ns, mtime_ns))
-        a = self._attr(self.ns("setattr", ino=ino, mode=mode, uid=uid, gid=gid,
-                               atime_ns=atime_ns, mtime_ns=mtime_ns, ctx=_ctx(ctx)))
-        return self._overlay(a)
-
-    def mkdir(self, parent: int, name: bytes, mode: int, ctx: Ctx) -> Attr:
-        return self._attr(self.ns("mkdir", parent=parent, name=name, mode=mode, ctx=_ctx(ctx)))
-
-    def symlink(self, parent: int, name: bytes, target: bytes, ctx: Ctx) -> Attr:
-        return self._attr(self.ns("symlink", parent=parent, name=name, target=target, ctx=_ctx(ctx)))
-
-    def readlink(self, ino: int, ctx: Ctx | None = None) -> bytes:
-        return self.ns("readlink", ino=ino)["target"]
-
-    def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx: Ctx) -> Attr:
-        return self._attr(self.ns("mknod", parent=parent, name=name, mode=mode, rdev=rdev,
-                                  ctx=_ctx(ctx)))
-
-    def unlink(self, parent: int, name: bytes, ctx: Ctx | None = None) -> None:
-        self.ns("unlink", parent=parent, name=name)
-
-    def rmdir(self, parent: int, name: bytes, ctx: Ctx | None = None) -> None:
-        self.ns("rmdir", parent=parent, name=name)
-
-    def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
-               flags: int, ctx: Ctx | None = None) -> None:
-        self.ns("rename", parent_old=parent_old, name_old=name_old, parent_new=parent_new,
-                name_new=name_new, flags=flags)
-
-    def opendir(self, ino: int, ctx: Ctx | None = None) -> int:
-        entries, offset = [], 0
-        while True:
-            r = self.ns("readdir", ino=ino, offset=offset)
-            entries += [(n, self._attr(a)) for n, a in r["entries"]]
-            if not r.get("more"):
-                break
-            offset = r["next"]
-        with self.lock:
-            self._fh += 1
-            self._dirs[self._fh] = entries
-            return self._fh
-
-    def readdir(self, fh: int, offset: int) -> list[tuple[bytes, Attr, int]]:
-        with self.lock:
-            entries = self._dirs.get(fh)
-            if entries is None:
-                raise FsError(errno.EBADF)
-            return [(n, self._overlay(a), i + 1) for i, (n, a) in enumerate(entries) if i >= offset]
-
-    def releasedir(self, fh: int) -> None:
-        with self.lock:
-            self._dirs.pop(fh, None)
-
-    def fsyncdir(self, fh: int, datasync: bool) -> None:
-        self.ns("sync")
-
-    def statfs(self) -> StatFs:
-        s = self.cache.statvfs()
-        bs = s.f_frsize or 4096
-        limit = self.cache.limit // bs
-        free = max(0, min(limit - self.cache.used() // bs, s.f_bavail))
-        return StatFs(bsize=1 << 20, frsize=bs, blocks=limit, bfree=free, bavail=free,
-                      files=1 << 32, ffree=(1 << 32) - 1, namemax=NAME_MAX)
-
-    def getxattr(self, ino: int, name: bytes) -> bytes:
-        return self.ns("getxattr", ino=ino, name=name)["value"]
-
-    def listxattr(self, ino: int) -> list[bytes]:
-        self.ns("getattr", ino=ino)
-        return []
-
-    def setxattr(self, ino: int, name: bytes, value: bytes, flags: int = 0) -> None:
-        self.ns("setxattr", ino=ino, name=name)
-
-    def removexattr(self, ino: int, name: bytes) -> None:
-        self.ns("removexattr", ino=ino, name=name)
 
     # -- handles ----------------------------------------------------------------------------
     def handle_ino(self, fh: int) -> int | None:
@@ -737,9 +637,3 @@ class ClientVFS(Base):
             self.cache.note(ino, gen, dirty=True)
             n += 1
         return {"cache_files": n}
-
-
-def _ctx(ctx) -> dict:
-    if ctx is None:
-        return {}
-    return {"uid": ctx.uid, "gid": ctx.gid, "pid": ctx.pid, "umask": ctx.umask}
