@@ -315,7 +315,7 @@ class CachelessVFS(ClientVFS):
         self.ns("close", ino=h.ino, gen=h.gen, size=s["size"], mtime_ns=s["mtime_ns"],
                 ctime_ns=s["ctime_ns"])
 
-    def flush(self, fh: int) -> None:
+    def flush(self, fh: int, unique: int = 0) -> None:
         with self.lock:
             h = self._handles.get(fh)
             if h is None or not h.writable or h.closed:

@@ -67,7 +67,8 @@ class ClientVFS(RemoteNamespace):
 
     def __init__(self, node_id: str, cache, under, ns: Callable[..., dict],
                  peer: Callable[[str], object], *, chunk_size: int = 8 << 20,
-                 incarnation: Callable[[str], object] | None = None) -> None:
+                 incarnation: Callable[[str], object] | None = None,
+                 announce: Callable[[], str] | None = None) -> None:
         from acache.data.readthrough import ReadThrough
         super().__init__(ns, cache)
         self.node_id = node_id
@@ -88,6 +89,11 @@ class ClientVFS(RemoteNamespace):
         # incarnation(node): a value that changes when the node restarts, None while it is
         # down or unknown (acache.cluster.member: the value of its alive key, a lease id)
         self.incarnation = incarnation
+        # announce(): tell the head a close began here, returning the token the close then
+        # carries (acache.cluster.member.Member.announce); FUSE request number -> token
+        self.announce = announce
+        self._began: dict[int, str] = {}
+        self._began_lock = threading.Lock()
         cache.evict_hook = self._evict
 
     # -- what the remote namespace asks of the open files here (RemoteNamespace) ---------
@@ -474,7 +480,31 @@ class ClientVFS(RemoteNamespace):
             self.release(fh)
 
     # -- close -------------------------------------------------------------------------------
-    def flush(self, fh: int) -> None:
+    def close_began(self, fh: int, unique: int) -> None:
+        """The engine read a FLUSH of ``fh`` (on its reader thread: never blocks).  If it is
+        the last close of a write session here, the head hears now that it began (Began,
+        acache.cluster.head.CallEdge), milliseconds before the close itself can reach it."""
+        if self.announce is None or not self.lock.acquire(blocking=False):
+            return                       # no notice: the close is ordered by its arrival
+        try:
+            h = self._handles.get(fh)
+            w = self._wopen.get(h.ino) if h is not None and h.writable and not h.closed else None
+            if w is None or w.active != {fh}:
+                return                   # not the close that journals the file
+        finally:
+            self.lock.release()
+        token = self.announce()
+        with self._began_lock:
+            self._began[unique or -fh] = token   # pyfuse3 has no request numbers: by fh
+            while len(self._began) > 1024:          # FLUSHes that never ran: forgotten
+                self._began.pop(next(iter(self._began)))
+
+    def flush(self, fh: int, unique: int = 0) -> None:
+        if self._began:
+            with self._began_lock:
+                began = self._began.pop(unique or -fh, "")
+        else:
+            began = ""
         with self.lock:
             h = self._handles.get(fh)
             if h is None or not h.writable:
@@ -504,7 +534,7 @@ class ClientVFS(RemoteNamespace):
             s = os.fstat(h.fd)
             try:
                 self.ns("close", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns,
-                        ctime_ns=s.st_ctime_ns)
+                        ctime_ns=s.st_ctime_ns, began=began)
                 w.sig = (s.st_size, s.st_mtime_ns)
             except BaseException:
                 # not journaled at the head: the handle stays open, so the next FLUSH (the

@@ -29,6 +29,7 @@ import os
 import stat
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict
 from typing import Callable, Mapping
 
@@ -62,20 +63,49 @@ class CallEdge:
     Y's call arrived.  So Y lands after every call that had replied when it arrived, and may
     commit alongside those still in flight (the ranks' shards of one checkpoint step closing at
     the same moment on several hosts); without this, every close would wait for all entries
-    journaled before it reached the head, in flight or not.
+    journaled before it reached the head, in flight or not.  A close from another node can
+    reach the head milliseconds after it began there (its daemon, then the link), when the
+    head's own ranks' closes of the same step are acknowledged already: so the node sends a
+    Began notice when its engine reads the FLUSH, and the close is numbered by that notice's
+    arrival (:meth:`began`), the earliest the head can know of it.
 
     Acknowledgement.  The namespace's KV is written behind (store.GroupCommit): a call is
     answered only once what it changed, or saw, has landed in etcd; MetaError (EIO at the
     caller) if that failed -- and then it was undone."""
 
+    BEGAN_KEPT = 4096      # notices kept for closes yet to come (older ones: forgotten)
+
     def __init__(self, meta) -> None:
         self.meta = meta
         self.overlap = Overlap()
         self._arrivals = itertools.count(1)
+        self._lock = threading.Lock()
+        self._began: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self.began_used: dict[str, int] = {}   # node -> closes numbered by their notice
 
-    def run(self, fn: Callable[..., dict], *args) -> dict:
-        u = next(self._arrivals)
-        self.overlap.seen(u)
+    def began(self, frm: str, tokens: list[str]) -> None:
+        """Closes began on node ``frm`` (its Began notice, sent when its engine read their
+        FLUSH): each is numbered now, as if it arrived now.  Sound: if X's close returned
+        anywhere before one of these began, X's reply left here before this notice was even
+        sent.  A notice that never meets its close (lost, or the close came first) ages out."""
+        with self._lock:
+            for t in tokens:
+                u = next(self._arrivals)
+                self.overlap.seen(u)
+                self._began[(frm, t)] = u
+            while len(self._began) > self.BEGAN_KEPT:
+                self._began.popitem(last=False)
+
+    def run(self, fn: Callable[..., dict], *args, began: tuple[str, str] | None = None) -> dict:
+        u = None
+        if began is not None:        # the close's notice came first: its number stands
+            with self._lock:
+                u = self._began.pop(began, None)
+                if u is not None:
+                    self.began_used[began[0]] = self.began_used.get(began[0], 0) + 1
+        if u is None:
+            u = next(self._arrivals)
+            self.overlap.seen(u)
         since = self.meta.mark()
         try:
             self.meta.ready()

@@ -69,13 +69,18 @@ class Member:
         self._notes: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(NOTE_THREADS):
             threading.Thread(target=self._note_loop, name=f"acache-notify-{i}", daemon=True).start()
+        # Began notices to a head elsewhere (announce), sent by one thread, queued ones together
+        self._began_n = 0
+        self._began_q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._began_loop, name="acache-began", daemon=True).start()
         # a node without a cache (placement = "hash") writes into workers' caches
         # (acache.cluster.cacheless), takes no placed files and never runs the head (its
         # persister would need a cache); a worker serves their write sessions
         self.worker = settings.placement != "hash"
         if self.worker:
             self.vfs = ClientVFS(node_id, cache, under, self.ns, self.conn,
-                                 chunk_size=settings.chunk_size, incarnation=self.incarnation)
+                                 chunk_size=settings.chunk_size, incarnation=self.incarnation,
+                                 announce=self.announce)
         else:
             from acache.cluster.cacheless import CachelessVFS
             self.vfs = CachelessVFS(node_id, cache, under, self.ns, self.conn,
@@ -192,6 +197,7 @@ class Member:
         """Undo the start before registering: nothing of it is in etcd."""
         for _ in range(NOTE_THREADS):
             self._notes.put(None)
+        self._began_q.put(None)
         self.listener.close()
         if not self.worker:
             self.vfs.close()
@@ -321,6 +327,37 @@ class Member:
             except (TransportError, OSError) as e:
                 log.debug("telling %s to %s inode %d: %s", holder, what, ino, e)
         self._notes.put(send)
+
+    def announce(self) -> str:
+        """A close began here (the engine read its FLUSH): tell the head now, ahead of the
+        close (acache.cluster.head.CallEdge.began); the token the close is to carry.  Best
+        effort: a notice that is late or lost leaves the close ordered by its own arrival."""
+        with self._lock:
+            self._began_n += 1
+            token = f"{self._boot}:{self._began_n}"
+        head = self.head
+        if head is not None:
+            head.edge.began(self.node_id, [token])
+        else:
+            self._began_q.put(token)
+        return token
+
+    def _began_loop(self) -> None:
+        while (token := self._began_q.get()) is not None:
+            tokens = [token]
+            while len(tokens) < 64:
+                try:
+                    tokens.append(self._began_q.get_nowait())
+                except queue.Empty:
+                    break
+            hid = self._head_id
+            if hid is None or hid == self.node_id or self._stop.is_set():
+                continue
+            try:
+                self.conn(hid).request("ns", {"from": self.node_id, "op": "began",
+                                              "args": {"tokens": tokens}, "rid": ""}, timeout=2.0)
+            except (TransportError, OSError, AcacheError) as e:
+                log.debug("a close-began notice to %s: %s", hid, e)
 
     def _note_loop(self) -> None:
         while (send := self._notes.get()) is not None:
@@ -687,18 +724,22 @@ class _Head:
     # requests that change nothing (or, rejoin, that are idempotent with a large reply):
     # their replies are not stored (acache.cluster.requests)
     NOT_LOGGED = frozenset({"lookup", "getattr", "readlink", "readdir", "sync", "getxattr",
-                            "source", "journal", "status", "flush", "rejoin"})
+                            "source", "journal", "status", "flush", "rejoin", "began"})
 
     def call(self, frm: str, req: schema.Request, rid: str = "") -> dict:
         """One namespace operation (``req``, checked: acache.cluster.schema) asked by node
         ``frm``.  ``rid``: the caller's id of this request; one sent again (its reply was lost
         with a connection, or with the head that ran it) is answered as its first run was
         (acache.cluster.requests)."""
+        if isinstance(req, schema.Began):     # a number, no more: outside the edge
+            self.edge.began(frm, req.tokens)
+            return {}
         op_fn = getattr(self, "op_" + req.op, None)
         if op_fn is None:                # in the table, not handled here: a bug (test_ns_schema)
             raise FsError(errno.ENOSYS)
+        began = (frm, req.began) if isinstance(req, schema.Close) and req.began else None
         return self.requests.run(frm, rid, lambda: op_fn(frm, req),
-                                 durable=req.op not in self.NOT_LOGGED)
+                                 durable=req.op not in self.NOT_LOGGED, began=began)
 
     @staticmethod
     def _ctx(r) -> Ctx:
@@ -916,6 +957,6 @@ class _Head:
                     "blocked_since": self._blocked[1] if blocked else 0,
                     "blocked_files": len(journal) if blocked else 0,
                     "blocked_bytes": sum(e.size for e in journal) if blocked else 0,
-                    "held": held,
+                    "held": held, "began_used": dict(self.edge.began_used),
                     "oldest": ({"seq": oldest.seq, "op": oldest.op, "path": oldest.path,
                                 "node": oldest.node} if oldest is not None else None)}

@@ -106,11 +106,16 @@ class RequestLog:
         return None if d is None else d.get(rid)
 
     # -- running a request ------------------------------------------------------------------
-    def run(self, frm: str, rid: str, fn: Callable[[], dict], *, durable: bool = True) -> dict:
+    def _edge(self, fn: Callable[[], dict], began: tuple[str, str] | None) -> dict:
+        return self.edge(fn) if began is None else self.edge(fn, began=began)  # type: ignore[call-arg]
+
+    def run(self, frm: str, rid: str, fn: Callable[[], dict], *, durable: bool = True,
+            began: tuple[str, str] | None = None) -> dict:
         """``fn()``'s reply, or the first run's if ``rid`` ran already (FsError as it raised).
-        ``durable``: the request changes something (its reply is stored with its effects)."""
+        ``durable``: the request changes something (its reply is stored with its effects).
+        ``began``: a close's notice (acache.cluster.head.CallEdge.began), for the edge."""
         if not rid:
-            return self.edge(fn)
+            return self._edge(fn, began)
         with self._lock:
             done = self._lookup(frm, rid)
             if done is not None:
@@ -127,7 +132,7 @@ class RequestLog:
                 done = self._lookup(frm, rid)
             return _answer(done if done is not None else (False, errno.EIO))
         try:
-            return self.edge(lambda: self._record(frm, rid, fn, durable))
+            return self._edge(lambda: self._record(frm, rid, fn, durable), began)
         finally:
             with self._lock:
                 self._running.pop(rid, None)

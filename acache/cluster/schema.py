@@ -207,12 +207,22 @@ class Copied(Request):
 @_op("close")
 @dataclass(frozen=True)
 class Close(Request):
-    """The last close of a write session: journal the file with this size and these times."""
+    """The last close of a write session: journal the file with this size and these times.
+    ``began``: the token of the Began notice the node sent when this close began ("": none)."""
     ino: int
     gen: int
     size: int
     mtime_ns: int
     ctime_ns: int
+    began: str = ""
+
+
+@_op("began", mutates=False)
+@dataclass(frozen=True)
+class Began(Request):
+    """Closes began on the asking node (its engine read their FLUSH), sent ahead of the
+    closes themselves: the head orders each of those closes by when this arrived (CallEdge)."""
+    tokens: list
 
 
 @_op("reopen")
@@ -291,7 +301,7 @@ class Status(Request):
 OPS: dict[str, type[Request]] = {c.op: c for c in (
     Lookup, GetAttr, SetAttr, Mkdir, Symlink, Mknod, Readlink, Unlink, Rmdir, Rename, Readdir,
     Sync, GetXattr, SetXattr, RemoveXattr, Create, OpenWrite, Source, OpenRead, Copied, Close,
-    Reopen, EndWrite, EndRead, Fsync, Evict, Rejoin, Flush, Journal, JournalSkip, Status)}
+    Began, Reopen, EndWrite, EndRead, Fsync, Evict, Rejoin, Flush, Journal, JournalSkip, Status)}
 
 # what each op answers (a msgpack map): "attr" is acache.fs.types.Attr as a map, {} nothing
 REPLIES: dict[str, str] = {
@@ -301,7 +311,7 @@ REPLIES: dict[str, str] = {
     "setxattr": "{}", "removexattr": "{}",
     "create": "{ino, gen, same, src, holder, attr, ...}", "open_write": "{gen, same, src, holder, ...}",
     "source": "{gen, holder, cached, ...}", "open_read": "{gen, holder, cached, ...}",
-    "copied": "{}", "close": "{}", "reopen": "{}", "end_write": "{}", "end_read": "{}",
+    "copied": "{}", "close": "{}", "began": "{}", "reopen": "{}", "end_write": "{}", "end_read": "{}",
     "fsync": "{}", "evict": "{ok}", "rejoin": "{clean, drop, ...}", "flush": "{ok, error?, ...}",
     "journal": "{total, entries}", "journal_skip": "{...}", "status": "{head, queue, ...}"}
 assert set(REPLIES) == set(OPS)
@@ -398,6 +408,9 @@ def _check(req: Request) -> str:
         bad = [k for k, v in ctx.items() if k not in CTX_KEYS or not _ok(v, int)]
         if bad:
             return f"ctx key {bad[0]!r} is unknown or not an int"
+    tokens = getattr(req, "tokens", None)
+    if tokens is not None and not all(isinstance(t, str) and 0 < len(t) <= 64 for t in tokens):
+        return "tokens is not a list of short strings"
     rej = getattr(req, "files", None)
     if rej is not None:
         for item in rej:

@@ -392,7 +392,7 @@ class FileOps(Namespace):
                 txn.commit()
 
     # -- close ------------------------------------------------------------------------------
-    def flush(self, fh: int) -> None:
+    def flush(self, fh: int, unique: int = 0) -> None:
         with self.meta.op(), self.lock:
             h = self._handles.get(fh)
             if h is None or not h.writable or h.closed:

@@ -185,6 +185,8 @@ class Ops(pyfuse3.Operations):
         return await self._call(self.vfs.write, fh, off, buf)
 
     async def flush(self, fh):
+        # pyfuse3 hands no request number: 0 (the VFS keys the close's notice by fh)
+        self.vfs.close_began(fh, 0)      # never blocks: on the loop, before the worker
         await self._call(self.vfs.flush, fh)
 
     async def release(self, fh):

@@ -468,3 +468,59 @@ def test_restart_after_kill9_while_the_old_lease_lives(tmp_path, etcd1):
             assert sorted(c.ufs_files()) == ["f0", "f1", "g0", "g1"]
         finally:
             e.close()
+
+
+def test_closes_together_on_two_nodes_overlap_and_markers_still_follow(tmp_path, etcd1, engine):
+    """A checkpoint step across hosts: a rank on A and one on B close their shards at one
+    moment (a barrier), and once both closes returned a marker is written (on A or B in
+    turn).  Each node tells the head when its engine read the FLUSH (a Began notice), so the
+    head numbers the close by that, not by when the close itself arrived: the member's
+    close counts as overlapping the head's own (status: began_used per node) -- and over many
+    rounds the under-storage never shows a step's marker before both of its shards."""
+    with LocalCluster(tmp_path, etcd1, 2, engine=engine, flush_delay=0.0) as c:
+        a, b = c.nodes
+        head_id = c.wait_head()
+        member = b if head_id == a.root.name else a
+        seen_bad: list[str] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                names = set(os.listdir(c.ufs_dir))
+                for n in names:
+                    if n.startswith("marker-") and not {f"a-{n[7:]}", f"b-{n[7:]}"} <= names:
+                        seen_bad.append(n)
+        t = threading.Thread(target=watch)
+        t.start()
+        rounds = 30
+        try:
+            for i in range(rounds):
+                barrier = threading.Barrier(2)
+                errors: list[BaseException] = []
+
+                def rank(node, name: str, i: int = i, barrier=barrier, errors=errors) -> None:
+                    try:
+                        with open(node.mnt / name, "wb") as f:
+                            f.write(os.urandom(4096 + i))
+                            barrier.wait(10)     # then both close at once
+                    except BaseException as e:   # noqa: BLE001 -- reported below
+                        errors.append(e)
+                ts = [threading.Thread(target=rank, args=(n, f"{tag}-{i}"))
+                      for n, tag in ((a, "a"), (b, "b"))]
+                for th in ts:
+                    th.start()
+                for th in ts:
+                    th.join()
+                assert not errors, errors
+                ((a, b)[i % 2].mnt / f"marker-{i}").write_bytes(b"done")
+        finally:
+            b.flush()
+            stop.set()
+            t.join()
+        assert not seen_bad, f"markers landed before their shards: {sorted(set(seen_bad))[:5]}"
+        files = c.ufs_files()
+        assert sum(1 for k in files if k.startswith("marker-")) == rounds
+        assert sum(1 for k in files if k[:2] in ("a-", "b-")) == 2 * rounds
+        used = b.status()["cluster"].get("began_used") or {}
+        assert used.get(member.root.name, 0) > 0, \
+            f"no close of the member was numbered by its notice: {used}"

@@ -361,7 +361,7 @@ class MemVFS(Base):
     def write(self, fh: int, offset: int, data) -> int:
         return os.pwrite(self._handle(fh).fd, data, offset)
 
-    def flush(self, fh: int) -> None:
+    def flush(self, fh: int, unique: int = 0) -> None:
         self._handle(fh)
         self.calls["flush"] += 1
 

@@ -79,6 +79,7 @@ class NativeEngine:
                             attr_timeout=self.attr_timeout)
             session.handlers = self._ops.handlers
             session.overlap = self._ops.overlap
+            session.flush_read = self._ops.flush_read if self._ops.shared else None
             self._ops.drop_pages = session.drop_pages
             self._ops.inval_attr = session.inval_attr
             self._session = session

@@ -337,7 +337,7 @@ class Ops:
     def flush(self, req: Request):
         fh = proto.FLUSH_IN.unpack_from(req.body)[0]
         if self.overlap is None:
-            self.vfs.flush(fh)
+            self.vfs.flush(fh, req.unique)
             return b""
         meta = self.vfs.meta     # which closes this one overlapped: by request number
         try:
@@ -346,6 +346,11 @@ class Ops:
         finally:
             self.overlap.replied(meta.last_seq())   # before the reply, even an error's
         return b""
+
+    def flush_read(self, req: Request) -> None:
+        """The reader thread read a FLUSH (before any worker runs it): a shared namespace's
+        head hears at once that this close began (close_began)."""
+        self.vfs.close_began(proto.FLUSH_IN.unpack_from(req.body)[0], req.unique)
 
     def release(self, req: Request):
         fh = proto.RELEASE_IN.unpack_from(req.body)[0]

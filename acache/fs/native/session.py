@@ -117,6 +117,8 @@ class Session:
         self.devfd = devfd
         self.handlers = handlers
         self.overlap: Overlap | None = None   # set by the engine (closes in parallel)
+        # set by the engine: told of each FLUSH as it is read, before a worker runs it
+        self.flush_read: Callable[[Request], None] | None = None
         self.nthreads = max(1, threads)
         self.bufsize = bufsize
         self.ended = threading.Event()
@@ -230,6 +232,7 @@ class Session:
         record = self.stats.shard().record
         clock = time.perf_counter_ns
         seen = self.overlap.seen if self.overlap is not None else None
+        flush_read = self.flush_read
         while not self.ended.is_set():
             try:
                 n = os.readv(self.devfd, [buf])
@@ -248,6 +251,11 @@ class Session:
             if seen is not None:
                 seen(unique)            # the highest request number read (acache.fs.overlap)
             req = Request(unique, opcode, nodeid, uid, gid, pid, mv[hdr.size:min(n, length)])
+            if opcode == proto.FLUSH and flush_read is not None:
+                try:
+                    flush_read(req)
+                except Exception:           # a notice is a nicety: never the reader's end
+                    log.exception("FUSE FLUSH: the close-began notice failed")
             t0 = clock()
             try:
                 self._dispatch(req)
