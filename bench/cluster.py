@@ -227,6 +227,13 @@ def rm(path: Path) -> None:
         path.unlink()
 
 
+def _head_status(node) -> dict:
+    """The head's half of `status`, asked through ``node`` (its control socket)."""
+    from acache.node.client import Client
+    with Client(node.home / "acache.sock", timeout=30) as c:
+        return c.call("status").get("cluster") or {}
+
+
 def flush(node, timeout: float = 3600) -> float:
     """The barrier through the node's control socket (what `acache flush --wait` asks)."""
     from acache.node.client import Client
@@ -428,6 +435,9 @@ def case_persist(c: Cluster, srcs: dict[str, list[Path]], rows: list, log) -> No
                             list(ex.map(lambda f: shutil.copyfile(f, d / f.name), files))
                     os.sync()
                     dt = c.spy.run(f"persist-{prefix}", flush, B)
+                    if a.together:       # how many closes the head numbered by their notice
+                        log(f"persist {label} rep {rep + 1}: began_used "
+                            f"{_head_status(B).get('began_used')}")
                     want = (len(files), total)
                     got = hosts.run_in(1, s3_size, c.s3_endpoint, f"acache/{prefix}")
                     shutil.rmtree(d)

@@ -484,15 +484,13 @@ class ClientVFS(RemoteNamespace):
         """The engine read a FLUSH of ``fh`` (on its reader thread: never blocks).  If it is
         the last close of a write session here, the head hears now that it began (Began,
         acache.cluster.head.CallEdge), milliseconds before the close itself can reach it."""
-        if self.announce is None or not self.lock.acquire(blocking=False):
-            return                       # no notice: the close is ordered by its arrival
-        try:
-            h = self._handles.get(fh)
-            w = self._wopen.get(h.ino) if h is not None and h.writable and not h.closed else None
-            if w is None or w.active != {fh}:
-                return                   # not the close that journals the file
-        finally:
-            self.lock.release()
+        if self.announce is None:
+            return
+        # no lock (the workers hold it, the reader must not wait): single dict and set reads
+        h = self._handles.get(fh)
+        w = self._wopen.get(h.ino) if h is not None and h.writable and not h.closed else None
+        if w is None or len(w.active) != 1 or fh not in w.active:
+            return                       # not the close that journals the file
         token = self.announce()
         with self._began_lock:
             self._began[unique or -fh] = token   # pyfuse3 has no request numbers: by fh
