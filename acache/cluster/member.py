@@ -731,12 +731,11 @@ class _Head:
         ``frm``.  ``rid``: the caller's id of this request; one sent again (its reply was lost
         with a connection, or with the head that ran it) is answered as its first run was
         (acache.cluster.requests)."""
-        if isinstance(req, schema.Began):     # a number, no more: outside the edge
-            self.edge.began(frm, req.tokens)
-            return {}
         op_fn = getattr(self, "op_" + req.op, None)
         if op_fn is None:                # in the table, not handled here: a bug (test_ns_schema)
             raise FsError(errno.ENOSYS)
+        if isinstance(req, schema.Began):     # a number, no more: outside the edge
+            return op_fn(frm, req)
         began = (frm, req.began) if isinstance(req, schema.Close) and req.began else None
         return self.requests.run(frm, rid, lambda: op_fn(frm, req),
                                  durable=req.op not in self.NOT_LOGGED, began=began)
@@ -744,6 +743,11 @@ class _Head:
     @staticmethod
     def _ctx(r) -> Ctx:
         return Ctx(**(r.ctx or {}))
+
+    def op_began(self, frm, r):
+        """Closes began on ``frm`` (acache.cluster.head.CallEdge.began); run outside the edge."""
+        self.edge.began(frm, r.tokens)
+        return {}
 
     def op_lookup(self, frm, r):
         return attr_dict(self.vfs.lookup(r.parent, r.name))
