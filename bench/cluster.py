@@ -27,7 +27,8 @@ Cases, each rep interleaving acache with its baseline (order rotated from rep to
              writes the cache files itself (passthrough) on both
     closes   create + write 4 KiB + close of ``--closes`` files in one directory, one process:
              through E's mount (embedded), A's (cluster, head) and B's (cluster, over the
-             peer transport to the head)
+             peer transport to the head); ``--close-jobs 1,8``: by 1 thread, then by 8 at
+             once (a DCP rank's writer threads)
 
 ``--profile DIR`` records both cluster daemons with py-spy (raw format, --nonblocking --idle:
 wall-clock per thread)
@@ -85,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "uploads and the direct baseline's both cross a far link to S3, as to a "
                          "real region (default: moto in host 0, no delay)")
     ap.add_argument("--closes", type=int, default=2000, help="files per closes rep (default 2000)")
+    ap.add_argument("--close-jobs", default="1",
+                    help="threads making the closes at once, a comma list (default 1; e.g. 1,8)")
     ap.add_argument("--write-size", default="1GiB", help="bytes each write rep moves (default 1GiB)")
     ap.add_argument("--rates", default="none,2gbit",
                     help="links of the read case: none (the bare veth) and/or tc rates")
@@ -206,17 +209,26 @@ def read_ahead_kib(mnt: Path) -> str:
         return "?"
 
 
-def closes(d: Path, n: int) -> float:
-    """Closes per second: create + write 4 KiB + close of ``n`` new files in ``d``."""
+def closes(d: Path, n: int, jobs: int = 1) -> float:
+    """Closes per second: create + write 4 KiB + close of ``n`` new files in ``d``, by
+    ``jobs`` threads at once (each its share of the files, one after another)."""
     d.mkdir()
     block = b"\xa5" * 4096
     flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC
     names = [os.path.join(d, f"f{i:06d}") for i in range(n)]
+
+    def write(share: list[str]) -> None:
+        for p in share:
+            fd = os.open(p, flags, 0o644)
+            os.write(fd, block)
+            os.close(fd)
+
     t0 = time.perf_counter()
-    for p in names:
-        fd = os.open(p, flags, 0o644)
-        os.write(fd, block)
-        os.close(fd)
+    if jobs == 1:
+        write(names)
+    else:
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(write, [names[j::jobs] for j in range(jobs)]))
     return n / (time.perf_counter() - t0)
 
 
@@ -484,18 +496,21 @@ def case_write(c: Cluster, base: Path, rows: list, log) -> None:
 def case_closes(c: Cluster, rows: list, log) -> None:
     a = c.a
     mounts = {"embedded": c.embedded, "cluster head (A)": c.nodes["a"], "cluster member (B)": c.nodes["b"]}
-    t = {k: [] for k in mounts}
-    for rep in range(a.repeat):
-        for what in rotated(rep, list(mounts)):
-            d = mounts[what].mnt / f"closes-{rep}"
-            rate = c.spy.run(f"closes-{what.split()[-1].strip('()')}-{rep}", closes, d, a.closes) \
-                if what != "embedded" else closes(d, a.closes)
-            t[what].append(1 / rate)                      # seconds per close: medians like the rest
-            log(f"closes rep {rep + 1}: {what:20} {rate:8.0f} /s")
-            shutil.rmtree(d)
-    for what in ("cluster head (A)", "cluster member (B)"):
-        rows.append(row(f"closes/s (create + 4 KiB + close), {what}", "closes/s", 1.0,
-                        {"acache": t[what], "base": t["embedded"]}, "embedded (RocksDB), one host", None))
+    for jobs in (int(j) for j in str(a.close_jobs).split(",")):
+        t: dict[str, list[float]] = {k: [] for k in mounts}
+        by = "" if jobs == 1 else f", {jobs} threads"
+        for rep in range(a.repeat):
+            for what in rotated(rep, list(mounts)):
+                d = mounts[what].mnt / f"closes-{jobs}-{rep}"
+                rate = c.spy.run(f"closes{jobs}-{what.split()[-1].strip('()')}-{rep}", closes, d,
+                                 a.closes, jobs) if what != "embedded" else closes(d, a.closes, jobs)
+                t[what].append(1 / rate)                  # seconds per close: medians like the rest
+                log(f"closes rep {rep + 1}{by}: {what:20} {rate:8.0f} /s")
+                shutil.rmtree(d)
+        for what in ("cluster head (A)", "cluster member (B)"):
+            rows.append(row(f"closes/s (create + 4 KiB + close{by}), {what}", "closes/s", 1.0,
+                            {"acache": t[what], "base": t["embedded"]},
+                            f"embedded (RocksDB), one host{by}", 0.5))
 
 
 def row(case: str, unit: str, amount: float, t: dict[str, list[float]], base_name: str,
