@@ -29,6 +29,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from acache.cluster.client import ClientVFS, _ctx
 from acache.cluster.remote_write import RemoteWriter
@@ -36,6 +37,9 @@ from acache.errors import FsError, NewFile, UnderStoreError
 from acache.fs.types import Attr, StatFs
 from acache.fs.namespace import NAME_MAX
 from acache.net.transport import RemoteError, TransportError
+
+if TYPE_CHECKING:
+    from acache.net.remote_file import RemoteFile
 
 log = logging.getLogger("acache.cluster.cacheless")
 
@@ -46,8 +50,8 @@ class _CHandle:
     ino: int
     gen: int
     writable: bool
-    writing: "_RWriting | None" = None
-    rfile: object | None = None           # a RemoteFile (reads)
+    writing: _RWriting | None = None      # set on every writable handle
+    rfile: RemoteFile | None = None       # reads
     src: dict | None = None               # where the reads come from (to ask again)
     append: bool = False
     closed: bool = False
@@ -67,13 +71,21 @@ class _UnderConn:
     def __init__(self, under, upath: str) -> None:
         self.under, self.upath = under, upath
 
-    def read_into(self, op: str, meta: dict, buf: memoryview, *, timeout=None) -> int:
+    def read_into(self, op: str, meta: dict, buf: memoryview, *,
+                  timeout: float | None = None) -> int:
         data = self.under.read(self.upath, meta["offset"], meta["length"])
         buf[:len(data)] = data
         return len(data)
 
 
 class CachelessVFS(ClientVFS):
+    if TYPE_CHECKING:
+        # every handle here is a _CHandle (never a ClientVFS _Handle): the table and _new are
+        # typed so; the ClientVFS methods that use a _Handle's own fields are all overridden
+        _handles: dict[int, _CHandle]  # type: ignore[assignment]
+
+        def _new(self, h: _CHandle) -> int: ...  # type: ignore[override]
+
     def __init__(self, node_id: str, cache, under, ns, peer, *, chunk_size: int = 8 << 20,
                  window: int = 16 << 20, piece: int = 1 << 20, senders: int = 16,
                  read_chunk: int = 4 << 20, readahead: int = 2) -> None:
@@ -129,14 +141,14 @@ class CachelessVFS(ClientVFS):
                       files=1 << 32, ffree=(1 << 32) - 1, namemax=NAME_MAX)
 
     # -- handles --------------------------------------------------------------------------
-    def _handle(self, fh: int) -> _CHandle:
+    def _handle(self, fh: int) -> _CHandle:  # type: ignore[override]  # its handles (above)
         h = self._handles.get(fh)
         if h is None:
             raise FsError(errno.EBADF)
         return h
 
-    def _open_write(self, ino: int, r: dict, trunc: bool) -> int:
-        gen, holder = r["gen"], r.get("holder") or ""
+    def _open_write(self, ino: int, r: dict) -> int:
+        gen, holder, trunc = r["gen"], r.get("holder") or "", bool(r.get("trunc"))
         with self.lock:
             w = self._rw.get(ino)
         if w is None or w.gen != gen:
@@ -167,8 +179,9 @@ class CachelessVFS(ClientVFS):
     def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, Attr]:
         r = self.ns("create", parent=parent, name=name, mode=mode, flags=flags, ctx=_ctx(ctx),
                     place=True)
+        r["trunc"] = bool(flags & os.O_TRUNC)
         with self._ino_lock(r["ino"]):
-            fh = self._open_write(r["ino"], r, bool(flags & os.O_TRUNC))
+            fh = self._open_write(r["ino"], r)
         self._handles[fh].append = bool(flags & os.O_APPEND)
         return fh, self._overlay(self._attr(r["attr"]))
 
@@ -179,7 +192,8 @@ class CachelessVFS(ClientVFS):
             trunc = bool(flags & os.O_TRUNC)
             with self._ino_lock(ino):
                 r = self.ns("open_write", ino=ino, trunc=trunc, place=True)
-                fh = self._open_write(ino, r, trunc)
+                r["trunc"] = trunc
+                fh = self._open_write(ino, r)
             self._handles[fh].append = bool(flags & os.O_APPEND)
             return fh
         with self.lock:
@@ -195,11 +209,12 @@ class CachelessVFS(ClientVFS):
             raise
         return self._new(h)
 
-    def _rfile(self, ino: int, src: dict):
-        from acache.net.remote_file import RemoteFile
+    def _rfile(self, ino: int, src: dict) -> RemoteFile | None:
+        from acache.net.remote_file import ReadsInto, RemoteFile
         size, holder = src["size"], src.get("holder") or ""
         if size == 0:
             return None
+        conn: ReadsInto
         if src.get("cached") and holder:
             try:
                 conn = self.peer(holder)
@@ -219,9 +234,9 @@ class CachelessVFS(ClientVFS):
         h = self._handle(fh)
         if h.writing is not None:          # this node's own file being written
             return self._read_back(h, offset, size)
-        if h.rfile is None:
-            return b""
         for attempt in (0, 1):
+            if h.rfile is None:            # an empty generation: nothing to read
+                return b""
             try:
                 return bytes(h.rfile.pread(offset, size))
             except RemoteError as e:
@@ -241,6 +256,7 @@ class CachelessVFS(ClientVFS):
         raise FsError(errno.EIO)
 
     def _read_back(self, h: _CHandle, offset: int, size: int) -> bytes:
+        assert h.writing is not None              # read() calls it for a handle written here
         wr = h.writing.writer
         wr.drain()
         n = max(0, min(size, wr.size - offset))
@@ -270,7 +286,7 @@ class CachelessVFS(ClientVFS):
                 return wr.write(wr.size, data)
         return wr.write(offset, data)
 
-    def _written_after_close(self, h: _CHandle) -> None:
+    def _written_after_close(self, h: _CHandle) -> None:  # type: ignore[override]  # (above)
         """A FLUSH came from a close(2) of a copy of the fd (a fork of the writing process
         closes its child's copies; a dup) and the file is written on: it is open again, and
         the next FLUSH closes it again with what came since.  The head must know (as for a
@@ -304,13 +320,16 @@ class CachelessVFS(ClientVFS):
         fh = self.open(ino, os.O_WRONLY | (os.O_TRUNC if size == 0 else 0))
         try:
             if size:
-                self._handles[fh].writing.writer.truncate(size)
+                w = self._handles[fh].writing
+                assert w is not None              # a write open's handle
+                w.writer.truncate(size)
             self.flush(fh)
         finally:
             self.release(fh)
 
     # -- close / fsync ------------------------------------------------------------------------
     def _close_at_head(self, h: _CHandle) -> None:
+        assert h.writing is not None              # a writable handle
         s = h.writing.writer.close()
         self.ns("close", ino=h.ino, gen=h.gen, size=s["size"], mtime_ns=s["mtime_ns"],
                 ctime_ns=s["ctime_ns"])
@@ -322,6 +341,7 @@ class CachelessVFS(ClientVFS):
                 return
             h.closed = True
             w = h.writing
+            assert w is not None                  # a writable handle
             w.active.discard(fh)
             last = not w.active
         if last:
@@ -351,6 +371,7 @@ class CachelessVFS(ClientVFS):
             ended = False
             if h.writable:
                 w = h.writing
+                assert w is not None              # a writable handle
                 w.handles.discard(fh)
                 w.active.discard(fh)
                 if not w.handles and self._rw.get(h.ino) is w:
@@ -366,6 +387,7 @@ class CachelessVFS(ClientVFS):
                 with self._ino_lock(h.ino):
                     with self.lock:
                         reopened = h.ino in self._rw
+                    assert h.writing is not None
                     h.writing.writer.end()
                     if not reopened:
                         self.ns("end_write", ino=h.ino, gen=h.gen)

@@ -25,16 +25,22 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from acache.errors import FsError, NewFile, UnderStoreError
 from acache.cluster.remote_ns import RemoteNamespace, _ctx
 from acache.fs.files import _libc, check_fallocate
 from acache.fs.types import Attr
 
+if TYPE_CHECKING:
+    from acache.net.transport import Conn
+
 log = logging.getLogger("acache.cluster.client")
 ENTRY_TIMEOUT = 1.0
 UNREACHABLE_FOR = 5.0     # s: a holder that failed a read fails the next ones at once
+# reader(offset, n): n bytes of a generation from where it is (a peer's buffer is handed on
+# as it came, a bytearray: no copy of a whole chunk)
+Reader = Callable[[int, int], bytes | bytearray]
 
 
 @dataclass
@@ -46,7 +52,7 @@ class _Handle:
     writable: bool
     size: int = 0
     complete: bool = True         # the local cache file holds the whole generation
-    reader: Callable | None = None
+    reader: Reader | None = None
     closed: bool = False
     append: bool = False          # O_APPEND: every write lands at the end of what is here
     live: bool = False            # a generation another node is writing: read from it, no copy
@@ -66,7 +72,7 @@ class ClientVFS(RemoteNamespace):
     """A cluster node's open files, over the head's namespace (RemoteNamespace)."""
 
     def __init__(self, node_id: str, cache, under, ns: Callable[..., dict],
-                 peer: Callable[[str], object], *, chunk_size: int = 8 << 20,
+                 peer: Callable[[str], Conn], *, chunk_size: int = 8 << 20,
                  incarnation: Callable[[str], object] | None = None,
                  announce: Callable[[], str] | None = None) -> None:
         from acache.data.readthrough import ReadThrough
@@ -160,7 +166,7 @@ class ClientVFS(RemoteNamespace):
             self._handles[h.fh] = h
             return h.fh
 
-    def _reader(self, src: dict, ino: int) -> Callable[[int, int], bytes] | None:
+    def _reader(self, src: dict, ino: int) -> Reader | None:
         """Where the bytes of generation ``src`` come from when this node has no copy."""
         holder, gen = src.get("holder", ""), src["gen"]
         upath = src.get("upath")
@@ -169,7 +175,7 @@ class ClientVFS(RemoteNamespace):
             # does not answer is not the end of the read
             persisted = upath if src.get("persisted") else None
 
-            def from_peer(off: int, n: int) -> bytes:
+            def from_peer(off: int, n: int) -> bytes | bytearray:
                 from acache.net.transport import PeerUnavailable, TransportError
                 if self._shunned(holder):
                     # it just failed a request (the transport waited its whole timeout then):
@@ -370,9 +376,10 @@ class ClientVFS(RemoteNamespace):
         return self._new(_Handle(0, ino, gen, fd, False, size=size, complete=whole, reader=reader))
 
     # -- data ----------------------------------------------------------------------------------
-    def read(self, fh: int, offset: int, size: int) -> bytes:
+    def read(self, fh: int, offset: int, size: int) -> bytes | bytearray:
         h = self._handle(fh)
         if h.live:
+            assert h.reader is not None       # a live handle is opened with its reader
             n = max(0, min(size, h.size - offset))
             return h.reader(offset, n) if n else b""
         if not h.complete and (h.ino, h.gen) not in self._complete:

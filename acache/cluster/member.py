@@ -28,7 +28,8 @@ from acache.cluster.head import CallEdge, HeadNamespace, attr_dict
 from acache.data import barrier
 from acache.errors import AcacheError, FsError, MetaError, UnderStoreError
 from acache.fs.types import Ctx
-from acache.net.transport import FileRegion, PeerUnavailable, RemoteError, Reply, TransportError
+from acache.net.transport import (Conn, FileRegion, PeerUnavailable, RemoteError, Reply,
+                                  TransportError)
 
 log = logging.getLogger("acache.cluster")
 LEASE_TTL = 3.0
@@ -48,7 +49,7 @@ class Member:
         self.cluster = Cluster(self.client)
         self.head_key = self.client.prefix + b"head"
         self.transport = transport_from_settings(settings)
-        self._conns: dict[str, object] = {}
+        self._conns: dict[str, Conn] = {}
         self._rid = 0
         # this process (a restart gets another): request ids, and the identity a node
         # starting under the same node_id asks for (_register)
@@ -59,7 +60,7 @@ class Member:
         # head campaign; two that both saw no head would each build a _Head (two namespace
         # writers, the second fencing the first's KV off, two persisters)
         self._campaign_lock = threading.Lock()
-        self.head = None                  # a _Head while this node is the head
+        self.head: _Head | None = None    # while this node is the head
         self._head_id: str | None = None
         self._stop = threading.Event()
         self._check_secret()
@@ -77,6 +78,7 @@ class Member:
         # (acache.cluster.cacheless), takes no placed files and never runs the head (its
         # persister would need a cache); a worker serves their write sessions
         self.worker = settings.placement != "hash"
+        self.vfs: ClientVFS
         if self.worker:
             self.vfs = ClientVFS(node_id, cache, under, self.ns, self.conn,
                                  chunk_size=settings.chunk_size, incarnation=self.incarnation,
@@ -98,7 +100,7 @@ class Member:
         self.listener.advertise("ns_ops", schema.served())
         self.listener.advertise("node", {"id": node_id, "boot": self._boot})
         self.listener.start()
-        caps = ("rdma",) if self.transport.name == "rdma" and getattr(self.transport, "dev", None) else ()
+        caps: tuple[str, ...] = ("rdma",) if self.transport.name == "rdma" and getattr(self.transport, "dev", None) else ()
         if self.worker:
             from acache.cluster.placement import WORKER
             caps += (WORKER,)
@@ -157,7 +159,7 @@ class Member:
         if held is not None:
             addr = held.record.address if held.record else None
             who = self._who_is(addr) if addr else None
-            if who is not None and who.get("id") == self.node_id and who.get("boot") != self._boot:
+            if addr and who is not None and who.get("id") == self.node_id and who.get("boot") != self._boot:
                 raise self._in_use(addr)
             log.info("node_id %s has a live registration at %s (%s): taken as this node's own "
                      "from before a restart", self.node_id, addr,
@@ -200,7 +202,9 @@ class Member:
         self._began_q.put(None)
         self.listener.close()
         if not self.worker:
-            self.vfs.close()
+            from acache.cluster.cacheless import CachelessVFS
+            if isinstance(self.vfs, CachelessVFS):     # it is (no cache here): its sender pools
+                self.vfs.close()
         self.client.close()
 
     # -- peers ---------------------------------------------------------------------------
@@ -220,7 +224,7 @@ class Member:
         kv = self.client.get(self.cluster.alive_key(node_id))
         return None if kv is None else kv.value
 
-    def conn(self, node_id: str):
+    def conn(self, node_id: str) -> Conn:
         with self._lock:
             c = self._conns.get(node_id)
         if c is None:
@@ -253,9 +257,10 @@ class Member:
 
     # -- the cache files of this node, for peers ------------------------------------------
     def _data_read(self, meta: dict, payload) -> Reply:
-        ino, gen, off, n = meta.get("ino"), meta.get("gen"), meta.get("offset"), meta.get("length")
-        if not all(isinstance(v, int) and v >= 0 for v in (ino, gen, off, n)):
+        got = _naturals(meta, "ino", "gen", "offset", "length")
+        if got is None:
             raise OSError(errno.EINVAL, "bad read request")
+        ino, gen, off, n = got
         try:
             fd = self.cache.acquire(ino, gen)
         except FileNotFoundError:
@@ -268,11 +273,11 @@ class Member:
     def _data_stage_part(self, meta: dict, payload) -> dict:
         """The head stages a file this node holds (S3 multipart): upload one part of it
         from this node's cache file, answer its ETag (acache.data.under.s3 stage_parts)."""
-        ino, gen, path, upload_id = meta.get("ino"), meta.get("gen"), meta.get("path"), meta.get("upload_id")
-        number, off, n = meta.get("number"), meta.get("offset"), meta.get("length")
-        if not (all(isinstance(v, int) and v >= 0 for v in (ino, gen, number, off, n))
-                and isinstance(path, str) and isinstance(upload_id, str)):
+        got = _naturals(meta, "ino", "gen", "number", "offset", "length")
+        path, upload_id = meta.get("path"), meta.get("upload_id")
+        if got is None or not (isinstance(path, str) and isinstance(upload_id, str)):
             raise OSError(errno.EINVAL, "bad part request")
+        ino, gen, number, off, n = got
         send = getattr(self.under, "upload_part_from", None)
         if send is None:
             raise OSError(errno.EOPNOTSUPP, "this node's under-storage takes no parts")
@@ -282,16 +287,17 @@ class Member:
     def _data_stage_file(self, meta: dict, payload) -> dict:
         """The head stages a file this node holds (a POSIX under-storage the nodes share):
         write the stage's temp file from this node's cache file; the head commits it."""
-        ino, gen, path, token, size = (meta.get(k) for k in ("ino", "gen", "path", "token", "size"))
-        attrs = meta.get("attrs") or []
-        if not (all(isinstance(v, int) and v >= 0 for v in (ino, gen, size))
-                and isinstance(path, str) and isinstance(token, str) and isinstance(attrs, list)):
+        got = _naturals(meta, "ino", "gen", "size")
+        path, token, attrs = meta.get("path"), meta.get("token"), meta.get("attrs") or []
+        if got is None or not (isinstance(path, str) and isinstance(token, str)
+                               and isinstance(attrs, list)):
             raise OSError(errno.EINVAL, "bad stage request")
+        ino, gen, size = got
         if not hasattr(self.under, "staged_from"):
             raise OSError(errno.EOPNOTSUPP, "this node's under-storage is not a shared directory")
         from acache.data.under.base import Attrs
         return self._from_cache_file(ino, gen, lambda fd: self.under.stage(
-            path, token, f"/proc/self/fd/{fd}", size, attrs=Attrs.unpack(attrs)).made())  # type: ignore[attr-defined]
+            path, token, f"/proc/self/fd/{fd}", size, attrs=Attrs.unpack(attrs)).made())
 
     def _from_cache_file(self, ino: int, gen: int, fn) -> dict:
         """fn(fd) on this node's cache file of (ino, gen), held meanwhile (never removed
@@ -537,10 +543,23 @@ class Member:
             self._notes.put(None)
         self.listener.close()
         if not self.worker:
-            self.vfs.close()
+            from acache.cluster.cacheless import CachelessVFS
+            if isinstance(self.vfs, CachelessVFS):     # it is (no cache here): its sender pools
+                self.vfs.close()
         for c in list(self._conns.values()):
             c.close()
         self.client.close()
+
+
+def _naturals(meta: dict, *keys: str) -> list[int] | None:
+    """The values of ``keys`` in a peer's request, each an int >= 0; None if one is not."""
+    out = []
+    for k in keys:
+        v = meta.get(k)
+        if not isinstance(v, int) or v < 0:
+            return None
+        out.append(v)
+    return out
 
 
 KILL_BEFORE_REPLY = "ACACHE_TEST_KILL_BEFORE_REPLY"
@@ -936,7 +955,7 @@ class _Head:
             else:
                 self._blocked = ("", 0.0)
             cached_by: dict[str, int] = {}
-            files = []
+            files: list[dict] = []           # msgpack maps of the reply
             rel = r.path
             for n in meta.inodes():
                 if n.is_dir or n.nlink == 0:
@@ -949,8 +968,9 @@ class _Head:
                         files.append({"path": fp, "holder": n.node if n.cached else "",
                                       "size": n.size, "gen": n.gen})
             # files of cacheless writers open for writing, per worker (what placement evens out)
-            out = {"workers": self.placement.workers(), "cached_files": cached_by,
-                   "placed_open": dict(self.vfs.placed_load)}
+            out: dict[str, object] = {"workers": self.placement.workers(),
+                                      "cached_files": cached_by,
+                                      "placed_open": dict(self.vfs.placed_load)}
             if rel is not None:
                 out["files"] = sorted(files, key=lambda f: f["path"])
             return {**out, "head": self.member.node_id, "queue": len(journal),

@@ -338,7 +338,7 @@ def encode(req: Request) -> tuple[str, dict]:
     return req.op, {f.name: getattr(req, f.name) for f in dataclasses.fields(req)}
 
 
-def decode(op: str, args: object) -> Request:
+def decode(op: object, args: object) -> Request:
     """What a peer sent, checked: ENOSYS for an op not served here, EINVAL for bad arguments."""
     cls = OPS.get(op) if isinstance(op, str) else None
     if cls is None:

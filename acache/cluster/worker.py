@@ -48,7 +48,7 @@ class WriteSessions:
     @staticmethod
     def _key(meta: dict) -> tuple[int, int]:
         ino, gen = meta.get("ino"), meta.get("gen")
-        if not all(isinstance(v, int) and v >= 0 for v in (ino, gen)):
+        if not (isinstance(ino, int) and ino >= 0 and isinstance(gen, int) and gen >= 0):
             raise OSError(errno.EINVAL, "bad write-session request")
         return ino, gen
 

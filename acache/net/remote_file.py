@@ -14,12 +14,20 @@ import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
-from acache.net.transport import Conn
+
+class ReadsInto(Protocol):
+    """All a RemoteFile asks of its Conn (acache.net.transport.Conn): ``read_into``.  Any
+    Conn is one; so is an adapter reading ranges elsewhere (acache.cluster.cacheless reads
+    the under-storage through one)."""
+
+    def read_into(self, op: str, meta: dict, buf: memoryview, *,
+                  timeout: float | None = None) -> int: ...
 
 
 class RemoteFile:
-    def __init__(self, conn: Conn, op: str, meta: dict, size: int, *, chunk: int = 8 << 20,
+    def __init__(self, conn: ReadsInto, op: str, meta: dict, size: int, *, chunk: int = 8 << 20,
                  parallel: int = 4, readahead: int = 4, timeout: float | None = None) -> None:
         self.conn, self.op, self.meta, self.size = conn, op, dict(meta), size
         self.chunk, self.readahead, self.timeout = chunk, readahead, timeout
