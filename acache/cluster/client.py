@@ -525,7 +525,10 @@ class ClientVFS(RemoteNamespace):
         if again:
             assert w is not None
             with self._ino_lock(h.ino):
-                self._rejournal_direct(h, w)
+                if not self._rejournal_direct(h, w):
+                    s = os.fstat(h.fd)
+                    self.ns("close", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns,
+                            ctime_ns=s.st_ctime_ns, again=True)
             return
         with self.lock:
             if h.closed:
@@ -570,7 +573,7 @@ class ClientVFS(RemoteNamespace):
             h = self._handles.pop(fh, None)
             if h is None:
                 return
-            ended = False
+            ended = again = False
             if h.writable:
                 w = self._wopen.get(h.ino)
                 if w is not None:
@@ -583,13 +586,16 @@ class ClientVFS(RemoteNamespace):
             if h.writable and not h.closed:
                 self.flush_handle_on_release(h)
             elif ended and w is not None and w.direct:
-                self._rejournal_direct(h, w)
+                again = not self._rejournal_direct(h, w)
             if ended:
                 with self._ino_lock(h.ino):
                     with self.lock:
                         reopened = h.ino in self._wopen
                     if not reopened:     # else a new open took the session over meanwhile
-                        self.ns("end_write", ino=h.ino, gen=h.gen)
+                        if again:        # the head checks whether that is needed, in the
+                            self.ns("end_write", ino=h.ino, gen=h.gen, again=True)  # same batch
+                        else:
+                            self.ns("end_write", ino=h.ino, gen=h.gen)
             elif not h.writable:
                 self.ns("end_read", ino=h.ino, gen=h.gen)
         finally:
@@ -597,19 +603,23 @@ class ClientVFS(RemoteNamespace):
                 self.cache.release(h.ino, h.gen, write=h.writable)
                 self._maybe_drop(h.ino, h.gen)
 
-    def _rejournal_direct(self, h: _Handle, w: _Writing) -> None:
-        """The session's last release, after the kernel wrote the cache file itself: writes
-        through a descriptor still open after the last FLUSH (a dup, a forked child) never
-        reached this daemon, so the cache file is compared with what the last close sent;
-        changed, it is journaled again (reopen + close) before the session ends."""
+    def _rejournal_direct(self, h: _Handle, w: _Writing) -> bool:
+        """After the session's last close, the kernel wrote the cache file itself: writes
+        through a descriptor still open after the last FLUSH (a dup, a forked child, a
+        mapping) never reached this daemon, so the cache file is compared with what the last
+        close sent; changed, it is journaled again (reopen + close).  False if (size, mtime)
+        are unchanged: stores through a mapping into pages already dirty move neither, so the
+        caller asks the head to journal it again should that close's PUT have started
+        (``again``: it has read bytes that may be old)."""
         s = os.fstat(h.fd)
         if (s.st_size, s.st_mtime_ns) == w.sig:
-            return
+            return False
         self.ns("reopen", ino=h.ino, gen=h.gen)
         self.ns("close", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns,
                 ctime_ns=s.st_ctime_ns)
         w.sig = (s.st_size, s.st_mtime_ns)
         self.cache.note(h.ino, h.gen, dirty=True, size=s.st_blocks * 512)
+        return True
 
     def flush_handle_on_release(self, h: _Handle) -> None:
         """A RELEASE without a FLUSH (the kernel sends FLUSH per close(2); a handle the

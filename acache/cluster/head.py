@@ -388,8 +388,9 @@ class HeadNamespace(Namespace):
         return node.node == writer or (w is not None and w[0] == writer)
 
     def close_write(self, ino: int, gen: int, holder: str, size: int, mtime_ns: int,
-                    ctime_ns: int) -> None:
-        """The holder's last writer closed the file: journal its commit (a PUT)."""
+                    ctime_ns: int, again: bool = False) -> None:
+        """The holder's last writer closed the file: journal its commit (a PUT).  ``again``
+        (schema.Close): only if the PUT its last close journaled has started."""
         with self.meta.op(), self.lock:
             w = self.writers.get(ino)
             if w is not None and w[0] == holder:
@@ -397,7 +398,11 @@ class HeadNamespace(Namespace):
             node = self.meta.get(ino)
             if node is None or not self._writes(node, gen, holder):
                 return
+            if again and self._put_unstarted(node):
+                return
             txn = self.meta.txn()
+            if again:
+                journal.on_reopen(self.meta, txn, self.persister, node)
             if w is not None and w[0] == holder:
                 S.save_writer(txn, ino, w, self.placed.get(ino))
             node.size = size
@@ -414,14 +419,30 @@ class HeadNamespace(Namespace):
             txn.commit()
         self.persister.wake()
 
-    def end_write(self, ino: int, gen: int, holder: str) -> None:
-        """The holder released its last write handle of the file."""
-        with self.lock:
+    def _put_unstarted(self, node: Inode) -> bool:
+        """Does a PUT of ``node``'s generation wait in the journal, not started (so it reads
+        what the cache file holds when it starts)?"""
+        return any(e.gen == node.gen and self.persister.state(e.seq) == ""
+                   for e in self.meta.puts_of(node.ino))
+
+    def end_write(self, ino: int, gen: int, holder: str, again: bool = False) -> None:
+        """The holder released its last write handle of the file.  ``again``
+        (schema.EndWrite): the kernel wrote it directly; journal it again in the same batch
+        unless the PUT its last close journaled has not started."""
+        with self.meta.op(), self.lock:
             w = self.writers.get(ino)
             if w is None or w[0] != holder:
                 return
+            node = self.meta.get(ino)
             txn = self.meta.txn()
             S.save_writer(txn, ino, None, None)
+            if again and node is not None and self._writes(node, gen, holder) and \
+                    node.nlink > 0 and not node.dirty and not self._put_unstarted(node):
+                journal.on_reopen(self.meta, txn, self.persister, node)
+                e = journal.journal_put(self.meta, txn, self.persister, node)
+                e.node = node.node
+                txn.update_entry(e)
+                txn.save(node)
             txn.commit()
             del self.writers[ino]
             self._unplace(ino)

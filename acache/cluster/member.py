@@ -853,7 +853,7 @@ class _Head:
         return {}
 
     def op_close(self, frm, r):
-        self.vfs.close_write(r.ino, r.gen, frm, r.size, r.mtime_ns, r.ctime_ns)
+        self.vfs.close_write(r.ino, r.gen, frm, r.size, r.mtime_ns, r.ctime_ns, again=r.again)
         return {}
 
     def op_reopen(self, frm, r):
@@ -861,7 +861,7 @@ class _Head:
         return {}
 
     def op_end_write(self, frm, r):
-        self.vfs.end_write(r.ino, r.gen, frm)
+        self.vfs.end_write(r.ino, r.gen, frm, again=r.again)
         return {}
 
     def op_end_read(self, frm, r):

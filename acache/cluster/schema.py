@@ -208,13 +208,17 @@ class Copied(Request):
 @dataclass(frozen=True)
 class Close(Request):
     """The last close of a write session: journal the file with this size and these times.
-    ``began``: the token of the Began notice the node sent when this close began ("": none)."""
+    ``began``: the token of the Began notice the node sent when this close began ("": none).
+    ``again``: the kernel wrote the cache file itself after the session's last close and its
+    (size, mtime) cannot tell whether that changed it (stores through a mapping into pages
+    already dirty): journal it again unless the PUT that close journaled has not started."""
     ino: int
     gen: int
     size: int
     mtime_ns: int
     ctime_ns: int
     began: str = ""
+    again: bool = False
 
 
 @_op("began", mutates=False)
@@ -235,8 +239,12 @@ class Reopen(Request):
 @_op("end_write")
 @dataclass(frozen=True)
 class EndWrite(Request):
+    """The node released its last write handle of the file.  ``again``: as Close's, checked
+    in the batch that ends the session (the common case of a session the kernel wrote
+    directly: no call of its own)."""
     ino: int
     gen: int
+    again: bool = False
 
 
 @_op("end_read")

@@ -9,8 +9,10 @@ kill -9."""
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -164,3 +166,36 @@ def test_reopen_by_its_holder_writes_in_place(tmp_path, etcd1):
         assert (b.mnt / "f").read_bytes() == b"new gen" + want[7:]
         a.flush()
         assert c.ufs_files() == {"f": b"new gen" + want[7:]}
+
+
+@pytest.mark.parametrize("where", ["head", "member"])
+def test_mapping_written_after_close_and_landing_lands(tmp_path, etcd1, where):
+    """A shared mapping outlives close(2) of its descriptor (Python's mmap holds a dup): the
+    close journals the file, its PUT lands, then the mapping rewrites the page it had dirtied
+    before the close and is unmapped.  Under passthrough those stores reach the cache file
+    without the daemon and, on a page already dirty, without moving mtime, so the node's
+    signature (size, mtime) cannot tell: the head journals the file again at the session's
+    end because the PUT the close journaled had started (one host: test_reopen_overwrite)."""
+    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=0.05) as c:
+        head_id = c.wait_head()
+        n = next(x for x in c.nodes if (x.root.name == head_id) == (where == "head"))
+        other = next(x for x in c.nodes if x is not n)
+        p = n.mnt / "m.bin"
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        os.ftruncate(fd, 8192)
+        m = mmap.mmap(fd, 8192)
+        try:
+            m[:] = b"A" * 8192
+            os.close(fd)      # FLUSH: journaled; the mapping (a dup of fd) stays
+            deadline = time.monotonic() + 60
+            while c.ufs_files().get("m.bin") != b"A" * 8192:
+                assert time.monotonic() < deadline, "the close's PUT never landed"
+                time.sleep(0.02)
+            m[:] = b"B" * 8192
+        finally:
+            m.close()         # munmap and close(2) of the dup: FLUSH, RELEASE
+        assert writes_seen(n) == 0
+        assert p.read_bytes() == b"B" * 8192
+        assert (other.mnt / "m.bin").read_bytes() == b"B" * 8192
+        n.flush()
+        assert c.ufs_files() == {"m.bin": b"B" * 8192}, "the under-storage kept what the close saw"
