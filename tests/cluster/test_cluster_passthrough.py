@@ -199,3 +199,40 @@ def test_mapping_written_after_close_and_landing_lands(tmp_path, etcd1, where):
         assert (other.mnt / "m.bin").read_bytes() == b"B" * 8192
         n.flush()
         assert c.ufs_files() == {"m.bin": b"B" * 8192}, "the under-storage kept what the close saw"
+
+
+def test_same_size_rewrites_with_mtime_set_back_land(tmp_path, etcd1):
+    """open, write, close, reopen, overwrite as many bytes (mtime set back, as cp -p does),
+    close, on the head and on a member, with the first content landed before the reopen or
+    still pending: after each round the under-storage holds the last content (one host:
+    test_reopen_overwrite::test_reopen_overwrite_same_size_loop)."""
+    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=0.05) as c:
+        c.wait_head()
+        last: dict[str, bytes] = {}
+        for it in range(4):
+            mtimes = {}
+            for i, n in enumerate(c.nodes):
+                name = f"f{i}"
+                fd = os.open(n.mnt / name, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    os.pwrite(fd, os.urandom(4096), 0)
+                    mtimes[name] = os.fstat(fd).st_mtime_ns
+                finally:
+                    os.close(fd)
+            if it % 2 == 0:
+                c.nodes[0].flush()
+            for i, n in enumerate(c.nodes):
+                name = f"f{i}"
+                data = os.urandom(4096)
+                fd = os.open(n.mnt / name, os.O_RDWR)
+                try:
+                    os.pwrite(fd, data, 0)
+                    if it % 3 != 2:
+                        os.utime(fd, ns=(mtimes[name], mtimes[name]))
+                finally:
+                    os.close(fd)
+                last[name] = data
+            c.nodes[0].flush()
+            got = c.ufs_files()
+            stale = sorted(k for k, v in last.items() if got.get(k) != v)
+            assert not stale, f"round {it}: the under-storage kept old bytes of {stale}"
