@@ -294,11 +294,14 @@ class ClientVFS(RemoteNamespace):
         with self.lock:
             w = self._wopen.get(ino)
             fresh = not r.get("same") and (w is None or w.gen != gen)
+        fd: int | None = None
         if fresh:
             try:
-                self.cache.create_empty(ino, gen)
                 if r.get("src"):
+                    self.cache.create_empty(ino, gen)
                     self._copy(ino, gen, r["src"])
+                else:            # created empty by the open its handle keeps (one open, not two)
+                    fd = self.cache.acquire(ino, gen, write=True, empty=True)
             except BaseException:
                 self.ns("end_write", ino=ino, gen=gen)
                 raise
@@ -310,7 +313,8 @@ class ClientVFS(RemoteNamespace):
             raise FsError(errno.EIO)
         elif r.get("trunc"):
             os.truncate(self.cache.path(ino, gen), 0)   # O_TRUNC of what this node writes
-        fd = self.cache.acquire(ino, gen, create=True, write=True)
+        if fd is None:
+            fd = self.cache.acquire(ino, gen, create=True, write=True)
         self.cache.note(ino, gen, dirty=True)
         h = _Handle(0, ino, gen, fd, True)
         fh = self._new(h)

@@ -443,7 +443,7 @@ class HeadNamespace(Namespace):
                 e.node = node.node
                 txn.update_entry(e)
                 txn.save(node)
-            txn.commit()
+            txn.commit(lazy=True)        # a RELEASE: it may share the next call's etcd write
             del self.writers[ino]
             self._unplace(ino)
             self._released.notify_all()
@@ -516,7 +516,7 @@ class HeadNamespace(Namespace):
             S.save_count(txn, S.read_key(ino, gen, holder), d[holder] - 1,
                          cur.node if cur is not None and cur.gen == gen else
                          self._holder_of.get((ino, gen), ""))
-            txn.commit()
+            txn.commit(lazy=True)        # a RELEASE, as end_write's
             d[holder] -= 1
             if d[holder] <= 0:
                 del d[holder]

@@ -284,7 +284,8 @@ class Txn:
         self.puts.pop(key, None)
         self.deletes.append(key)
 
-    def commit(self, sync: bool = False) -> None:
+    def commit(self, sync: bool = False, lazy: bool = False) -> None:
+        """Write the batch (GroupCommit: queue it).  ``lazy``: see GroupCommit.submit."""
         if self._open:
             self._open = False
             self.store._ended += 1
@@ -292,7 +293,7 @@ class Txn:
             if ino.ino in self.store._inodes:
                 self.puts[K.inode_key(ino.ino)] = ino.pack()
         if self.store.group is not None:
-            self._commit_grouped(sync)
+            self._commit_grouped(sync, lazy and not sync)
             return
         if self.puts or self.deletes or self.store.stale:
             try:
@@ -312,7 +313,7 @@ class Txn:
         for freed_ino, gen in freed:
             self.store.on_freed(freed_ino, gen)
 
-    def _commit_grouped(self, sync: bool) -> None:
+    def _commit_grouped(self, sync: bool, lazy: bool = False) -> None:
         """Queue the batch (GroupCommit); ``sync``: and wait until it landed (under the lock:
         an fsync's record, a recovery's).  ``self.ticket``: what an acknowledgement waits for."""
         s = self.store
@@ -329,7 +330,7 @@ class Txn:
         try:
             if s.stale:
                 raise MetaError("an earlier metadata write could not be undone yet")
-            self.ticket = g.submit(puts, deletes, dropped, after)
+            self.ticket = g.submit(puts, deletes, dropped, after, lazy)
             if not getattr(s._mine, "first", 0):
                 s._mine.first = self.ticket
             s._mine.last = self.ticket
@@ -347,12 +348,17 @@ class Txn:
 
 
 class _Batch:
-    __slots__ = ("ticket", "puts", "deletes", "dropped", "after", "held", "taken")
+    __slots__ = ("ticket", "puts", "deletes", "dropped", "after", "held", "taken", "linger", "owner")
 
     def __init__(self, ticket: int, puts: dict, deletes: list, dropped: list, after: list) -> None:
         self.ticket, self.puts, self.deletes, self.dropped, self.after = ticket, puts, deletes, dropped, after
         self.held = 0.0           # a hold (GroupCommit.hold) keeps it queued until then
         self.taken = False        # the writer took it (too late to add to it)
+        self.linger = 0.0         # a lazy batch waits for company until then (submit)
+        self.owner = 0            # the thread that submitted a lazy batch
+
+    def due(self) -> float:
+        return max(self.held, self.linger)
 
 
 class _Hold:
@@ -391,6 +397,7 @@ class GroupCommit:
     GROUP_OPS = 110             # a group fits one etcd txn (kv_etcd.TXN_OPS is 120)
     GROUP_BYTES = 512 * 1024
     HOLD_MAX = 0.1              # the longest a hold keeps the writer from a batch (hold)
+    LINGER = 0.002              # the longest a lazy batch waits for company (submit)
 
     def __init__(self, kv: KV, lock: threading.RLock, on_broken: Callable[[BaseException], None]) -> None:
         self.kv = kv
@@ -399,6 +406,7 @@ class GroupCommit:
         self._on_broken = on_broken
         self.queue: list[_Batch] = []
         self.issued = 0             # the newest ticket handed out
+        self.firm = 0               # ... of a batch that is not lazy (submit)
         self.settled = 0            # every ticket up to here landed or failed
         self.broken: BaseException | None = None
         self.dropped: list = []     # objects failed batches took out of memory (for heal)
@@ -415,7 +423,16 @@ class GroupCommit:
         self._helper.start()
 
     # -- the store's side (under its lock) ----------------------------------------------
-    def submit(self, puts: dict, deletes: list, dropped: list, after: list) -> int:
+    def submit(self, puts: dict, deletes: list, dropped: list, after: list,
+               lazy: bool = False) -> int:
+        """Queue a batch; its ticket.  ``lazy``: nobody waits for it but its submitter, who
+        does not hurry (a cluster head's end of a write or read session, which a RELEASE asked
+        for after close(2) had returned): it waits up to LINGER for the next batch, so that the
+        two share one KV write (on etcd, a file's create and the previous file's release:
+        two fsynced round trips instead of three per file).  The next batch that is not lazy,
+        or anyone else's wait for it, sends it at once; an operation that changed nothing does
+        not wait for lazy batches behind the newest other one (``firm``: they end sessions, which
+        no reply reports)."""
         with self.cv:
             if self.broken is not None:
                 raise MetaError(f"an earlier metadata write failed ({self.broken}); undoing it")
@@ -423,6 +440,11 @@ class GroupCommit:
                 raise MetaError("the metadata store is closed")
             self.issued += 1
             b = _Batch(self.issued, puts, deletes, dropped, after)
+            if lazy:
+                b.linger, b.owner = time.monotonic() + self.LINGER, threading.get_ident()
+            else:
+                self.firm = self.issued
+                self._unlinger(self.issued)
             h = self._holds.get(threading.get_ident())
             if h is not None:
                 if not h.until:
@@ -460,6 +482,16 @@ class GroupCommit:
                 b.held = 0.0
             self.cv.notify_all()
             return added
+
+    def _unlinger(self, upto: int, but: int = 0) -> None:
+        """Lazy batches up to ticket ``upto`` go with the next write (cv held); ``but``:
+        except this thread's."""
+        for q in self.queue:
+            if q.ticket > upto:
+                break
+            if q.linger and q.owner != but:
+                q.linger = 0.0
+                self.cv.notify_all()
 
     def _unhold_self(self) -> None:
         """This thread waits for its own batches: a hold of its own would only delay it."""
@@ -499,6 +531,8 @@ class GroupCommit:
         self._unhold_self()
         lo = ticket - 1 if since < 0 else since
         with self.cv:
+            if self.settled < ticket:
+                self._unlinger(ticket, but=threading.get_ident())
             while self.settled < ticket:
                 self.cv.wait()
             for first, last, why in reversed(self.failures):
@@ -511,6 +545,7 @@ class GroupCommit:
         """Until everything submitted has settled (no error raised: see ``wait``)."""
         self._unhold_self()
         with self.cv:
+            self._unlinger(self.issued)
             while self.settled < self.issued:
                 self.cv.wait()
 
@@ -536,7 +571,7 @@ class GroupCommit:
         now = time.monotonic()
         while self.queue:
             b = self.queue[0]
-            if b.held > now and not self._stop:
+            if b.due() > now and not self._stop:
                 break                        # held back (hold), and everything behind it
             n = len(b.puts) + len(b.deletes)
             m = sum(len(k) + len(v) for k, v in b.puts.items()) + sum(map(len, b.deletes))
@@ -556,10 +591,10 @@ class GroupCommit:
                             return
                         self.cv.wait()
                         continue
-                    wait = self.queue[0].held - time.monotonic()
+                    wait = self.queue[0].due() - time.monotonic()
                     if wait <= 0 or self._stop:
                         break
-                    self.cv.wait(wait)       # a hold: until it is released or runs out
+                    self.cv.wait(wait)       # a hold or a linger: until it ends or runs out
                 group = self._take()
                 self._inflight = []
             ops: dict[bytes, bytes | None] = {}
@@ -878,8 +913,9 @@ class MetaStore:
     def wait_visible(self, since: int) -> None:
         """Before acknowledging an operation that began at ``mark()``: wait until every
         change it made or could have seen has landed.  MetaError if one it made failed (it is
-        undone); if it made none, if any it could have seen failed (what it read is undone).
-        Nothing to wait for without GroupCommit (each commit wrote through)."""
+        undone); if it made none, if any it could have seen failed (what it read is undone),
+        lazy batches at the end of the queue aside (GroupCommit.submit).  Nothing to wait for
+        without GroupCommit (each commit wrote through)."""
         g = self.group
         if g is None:
             return
@@ -887,7 +923,7 @@ class MetaStore:
         if last:            # a later failure cannot touch it: its batches were queued first
             g.wait(last, first - 1)
         else:
-            g.wait(g.issued, since)
+            g.wait(g.firm, since)
 
     def hold(self) -> None:
         """GroupCommit.hold (nothing without GroupCommit: each commit writes through)."""

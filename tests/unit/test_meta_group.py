@@ -338,3 +338,50 @@ def test_head_calls_order_closes_by_what_had_replied_and_ack_when_landed(meta, k
     assert isinstance(done[b"w"], MetaError)
     meta.heal(None)
     assert meta.child(ROOT_INO, b"w") is None and meta.child(ROOT_INO, b"z") is not None
+
+
+def _lazy_mkdir(meta: MetaStore, name: bytes) -> int:
+    with meta.lock:
+        txn = meta.txn()
+        node = meta.new_inode(txn, mode=0o040755, nlink=2, parent=ROOT_INO, name=name)
+        txn.link(ROOT_INO, name, node.ino)
+        txn.commit(lazy=True)
+        return txn.ticket
+
+
+def test_a_lazy_batch_shares_the_next_batchs_kv_write(meta, kv):
+    """A lazy batch (a head's end of a session) waits for company: the next batch takes it
+    along, one KV write for both; on its own it still lands (its submitter's wait)."""
+    meta.group.LINGER = 60.0            # only the next batch can send it
+    base = kv.writes
+    kv.hold = True                      # the next KV write waits at the gate (kv.entered)
+    lazy = _lazy_mkdir(meta, b"lazy")
+    # an idle writer takes a batch within microseconds: half a second without a write
+    # means the lazy one waits (an event cannot show that nothing happened)
+    assert not kv.entered.wait(0.5), "the lazy batch was written on its own"
+    _, ticket = _mkdir(meta, b"next")
+    assert kv.entered.wait(10)
+    kv.release.set()
+    meta.wait_ticket(ticket)
+    assert kv.writes == base + 1, "the lazy batch was written on its own"
+    assert meta.group.settled >= lazy
+    assert kv.get(K.dentry_key(ROOT_INO, b"lazy")) is not None    # landed, with the next
+    meta.group.LINGER = 0.002
+    t = _lazy_mkdir(meta, b"alone")
+    meta.wait_ticket(t)                 # by its submitter: it lingers, then goes alone
+    assert kv.writes == base + 2
+
+
+def test_anothers_wait_sends_a_lazy_batch_at_once(meta, kv):
+    meta.group.LINGER = 60.0
+    ticket = _lazy_mkdir(meta, b"lazy")
+    done = threading.Event()
+
+    def other():
+        meta.wait_ticket(ticket)        # someone else needs it: no lingering for them
+        done.set()
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join(20)
+    assert done.is_set(), "another thread's wait left the lazy batch lingering"
