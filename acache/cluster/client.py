@@ -100,7 +100,7 @@ class ClientVFS(RemoteNamespace):
         self.announce = announce
         self._began: dict[int, str] = {}
         self._began_lock = threading.Lock()
-        cache.evict_hook = self._evict
+        cache.attach(self)
 
     # -- what the remote namespace asks of the open files here (RemoteNamespace) ---------
     def _overlay(self, a: Attr) -> Attr:
@@ -652,7 +652,7 @@ class ClientVFS(RemoteNamespace):
         if self.cache.exists(ino, gen) and not self.cache.is_open(ino, gen):
             self.cache.note(ino, gen, dirty=False)
 
-    def _evict(self, ino: int, gen: int) -> bool:
+    def evict_cached(self, ino: int, gen: int) -> bool:
         if self.cache.is_open(ino, gen):
             return False
         try:

@@ -130,7 +130,7 @@ class HeadNamespace(Namespace):
         self.fetch = ReadThrough(under, chunk_size, cache=cache)
         self.fetch.settle = getattr(persister, "wait_moves", None)
         persister.attach(self)
-        meta.on_freed = self.gc_gen
+        meta.attach(self)
         self.node_id = node_id
         self.notify = notify             # (holder, "drop"|"clean", ino, gen), best effort
         # ino -> [the node writing it, 1 while a handle there is not closed, 0 once its last

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 from collections import OrderedDict
 
 from acache.errors import FsError
@@ -34,6 +34,14 @@ from acache.errors import FsError
 log = logging.getLogger("acache.cache")
 FICLONE = 0x40049409
 
+
+
+class Evictor(Protocol):
+    """The layer that knows whether a clean cache file may go (one host's VFS, a cluster
+    node's ClientVFS: its head is asked), handed once with :meth:`CacheDir.attach`."""
+
+    def evict_cached(self, ino: int, gen: int) -> bool:
+        """Remove (ino, gen)'s cache file if it is still clean and unneeded; whether it did."""
 
 class _Sizes(dict):
     """(ino, gen) -> bytes, with a running total (asked on every write)."""
@@ -72,7 +80,7 @@ class CacheDir:
         self._sizes = _Sizes()                             # bytes on disk per file we know
         self.dirty: set[tuple[int, int]] = set()           # files that may not be evicted
         self.lru: OrderedDict[int, int] = OrderedDict()    # clean ino -> gen, oldest first
-        self.evict_hook: Callable[[int, int], bool] | None = None   # evict (ino, gen) if still clean
+        self.evictor: Evictor | None = None                # removes (ino, gen) if still clean
         self.on_stall: Callable[[], None] | None = None    # writers wait: persist now
         self.stalls = 0                                    # writers that waited for room
         self.stall_seconds = 0.0                           # ... how long, all together
@@ -136,6 +144,12 @@ class CacheDir:
                     self.lru[ino] = gen          # clean and closed: evictable again, newest
                     self.lru.move_to_end(ino)
                     self.space.notify_all()
+
+    def attach(self, evictor: Evictor) -> None:
+        """Who decides an eviction (built after the cache: it needs it)."""
+        if self.evictor is not None:
+            raise RuntimeError("the cache directory has an evictor already")
+        self.evictor = evictor
 
     def is_open(self, ino: int, gen: int) -> bool:
         return (ino, gen) in self._fds
@@ -381,7 +395,7 @@ class CacheDir:
                 return False
             ino, gen = self.lru.popitem(last=False)
             size = self._sizes.get((ino, gen), 0)
-        if self.evict_hook is not None and self.evict_hook(ino, gen):
+        if self.evictor is not None and self.evictor.evict_cached(ino, gen):
             self.evictions += 1
             self.evicted_bytes += size
             return True

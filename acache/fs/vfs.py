@@ -39,8 +39,8 @@ class VFS(FileOps):
         self.fetch.settle = getattr(persister, "wait_moves", None)
         self._init_files()
         persister.attach(self)
-        meta.on_freed = self.gc_gen
-        cache.evict_hook = self._evict
+        meta.attach(self)
+        cache.attach(self)
 
     def after_failure(self, err: BaseException) -> bool:
         """The mount engines' error edge: an operation failed unexpectedly (the cache disk,
@@ -78,7 +78,7 @@ class VFS(FileOps):
             self.fetch.forget(ino, gen)
             self.cache.remove(ino, gen)
 
-    def _evict(self, ino: int, gen: int) -> bool:
+    def evict_cached(self, ino: int, gen: int) -> bool:
         with self.lock:
             node = self.meta.get(ino)
             if node is None or node.gen != gen or node.dirty or node.local or self.meta.puts_of(ino) \

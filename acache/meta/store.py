@@ -37,7 +37,7 @@ import stat as st
 import threading
 import time
 from dataclasses import dataclass, field, fields
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import msgpack
 
@@ -50,6 +50,19 @@ PATH_CHANGES = ("rename", "delete", "rmdir", "mkdir")   # ops that move or remov
                                                         # a path (MetaStore.path_changes)
 _NAMES = "surrogateescape"   # paths are str decoded with surrogateescape: any bytes
 log = logging.getLogger("acache.meta")
+
+
+class Owner(Protocol):
+    """The layer that owns the cache files the journal refers to (one host's VFS, the cluster
+    head's namespace), handed once with :meth:`MetaStore.attach`."""
+
+    def gc_gen(self, ino: int, gen: int) -> None:
+        """A committed batch let go of generation ``gen``: its cache file may go."""
+
+
+class _NoOwner:
+    def gc_gen(self, ino: int, gen: int) -> None:
+        pass
 
 
 class MissingInode(KeyError):
@@ -677,7 +690,7 @@ class MetaStore:
         # persister's scheduler looks at, so that it never walks the whole head of the journal)
         self._puts: dict[int, Entry] = {}
         self._path_changes: dict[int, Entry] = {}
-        self.on_freed = lambda ino, gen: None      # a cache file the journal let go of
+        self.owner: Owner = _NoOwner()              # told of cache files the journal let go of
         self.stale = False                          # memory may be ahead of the KV (undo failed)
         self._begun = self._ended = 0               # Txns made / committed (after_failure)
         # Barriers (flush --wait) in progress, and while there are any, which cancelled
@@ -740,6 +753,15 @@ class MetaStore:
         self._path_changes.pop(e.seq, None)
 
     # -- reads -------------------------------------------------------------------
+    def attach(self, owner: Owner) -> None:
+        """The layer that owns the cache files (built after the store: it needs it)."""
+        if not isinstance(self.owner, _NoOwner):
+            raise RuntimeError("the metadata store's cache files have an owner already")
+        self.owner = owner
+
+    def on_freed(self, ino: int, gen: int) -> None:
+        self.owner.gc_gen(ino, gen)
+
     def txn(self) -> Txn:
         return Txn(self)
 

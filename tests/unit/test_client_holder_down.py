@@ -54,7 +54,7 @@ class Head:
 
 def _vfs(peer: Peer, head: Head | None = None) -> tuple[ClientVFS, MemStore]:
     under = MemStore("mem://t")
-    vfs = ClientVFS("n2", types.SimpleNamespace(), under, head or Head(), peer,
+    vfs = ClientVFS("n2", types.SimpleNamespace(attach=lambda evictor: None), under, head or Head(), peer,
                     incarnation=peer.incarnation)
     return vfs, under
 

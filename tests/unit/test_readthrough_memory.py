@@ -166,11 +166,12 @@ def test_chunks_not_yet_written_count_in_the_cache_limit(tmp_path):
     cache = CacheDir(str(tmp_path / "cache"), 4 * CHUNK, 5)
     evicted = []
 
-    def evict(ino, gen):
-        evicted.append(ino)
-        cache.remove(ino, gen)
-        return True
-    cache.evict_hook = evict
+    class Evictor:
+        def evict_cached(self, ino, gen):
+            evicted.append(ino)
+            cache.remove(ino, gen)
+            return True
+    cache.attach(Evictor())
     for ino in (10, 11):                   # two clean files fill the cache
         with open(cache.path(ino, 1), "wb") as f:
             f.write(os.urandom(2 * CHUNK))

@@ -82,6 +82,7 @@ def test_recovery_takes_out_inodes_no_name_reaches(tmp_path):
     # the state written back is whole: a second start finds nothing to take out
     kv = RocksKV(str(tmp_path / "meta"))
     meta = MetaStore(kv)
+    cache = CacheDir(str(tmp_path / "cache"), 1 << 30, 5)
     assert VFS(meta, cache, store, Persister(meta, cache, store)).recover()["detached"] == 0
     kv.close()
 

@@ -58,7 +58,7 @@ def test_rename_of_a_removed_source_not_in_the_cache_fails_and_can_be_skipped(tm
         d = r.mkdir(ROOT_INO, b"d")
         x = r.write(d, b"x", b"x" * 1000)
         r.drain()
-        assert r.vfs._evict(x, 0)                  # only the under-storage has it now
+        assert r.vfs.evict_cached(x, 0)                  # only the under-storage has it now
         r.vfs.rename(ROOT_INO, b"d", ROOT_INO, b"e", 0)
         with r.store.state.lock:
             r.store.state.files.pop("d/x")
