@@ -232,6 +232,19 @@ def closes(d: Path, n: int, jobs: int = 1) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def etcd_txn_seconds(endpoints: list[str], n: int = 500) -> float:
+    """Seconds per etcd txn one after another (a put of a small key, acknowledged once the
+    members' WAL fsync is done): what each acknowledged namespace change waits for at least."""
+    from acache.meta.etcd import EtcdClient
+    c = EtcdClient(endpoints, prefix=b"/bench-floor/")
+    for i in range(20):
+        c.put(b"warm%d" % i, b"x")
+    t0 = time.perf_counter()
+    for i in range(n):
+        c.put(b"k%d" % (i % 64), b"x" * 200)
+    return (time.perf_counter() - t0) / n
+
+
 def rm(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
@@ -496,6 +509,7 @@ def case_write(c: Cluster, base: Path, rows: list, log) -> None:
 def case_closes(c: Cluster, rows: list, log) -> None:
     a = c.a
     mounts = {"embedded": c.embedded, "cluster head (A)": c.nodes["a"], "cluster member (B)": c.nodes["b"]}
+    t_embedded1: list[float] = []
     for jobs in (int(j) for j in str(a.close_jobs).split(",")):
         t: dict[str, list[float]] = {k: [] for k in mounts}
         by = "" if jobs == 1 else f", {jobs} threads"
@@ -507,10 +521,20 @@ def case_closes(c: Cluster, rows: list, log) -> None:
                 t[what].append(1 / rate)                  # seconds per close: medians like the rest
                 log(f"closes rep {rep + 1}{by}: {what:20} {rate:8.0f} /s")
                 shutil.rmtree(d)
+        if jobs == 1 or not t_embedded1:
+            t_embedded1 = t["embedded"]
         for what in ("cluster head (A)", "cluster member (B)"):
             rows.append(row(f"closes/s (create + 4 KiB + close{by}), {what}", "closes/s", 1.0,
                             {"acache": t[what], "base": t["embedded"]},
                             f"embedded (RocksDB), one host{by}", 0.5))
+    # the floor of a cluster's closes: a file's create and its close are each acknowledged once
+    # their etcd txn landed, one after the other for one writer (its RELEASE shares the next
+    # create's txn); an upper bound 1 / (2 txns), measured from the head's host in this run
+    txn = [c.hosts.run_in(0, etcd_txn_seconds, c.etcd.endpoints) for _ in range(a.repeat)]
+    log(f"etcd txn one after another: {statistics.median(txn) * 1000:.2f} ms")
+    rows.append(row("closes/s: etcd's floor, 2 txns per file one after another", "closes/s", 1.0,
+                    {"acache": [2 * x for x in txn], "base": t_embedded1},
+                    "embedded (RocksDB), one host", None))
 
 
 def row(case: str, unit: str, amount: float, t: dict[str, list[float]], base_name: str,
