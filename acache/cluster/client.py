@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 from acache.errors import FsError, NewFile, UnderStoreError
 from acache.cluster.remote_ns import RemoteNamespace, _ctx
 from acache.fs.files import _libc, check_fallocate
-from acache.fs.types import Attr
+from acache.fs.types import STATE_XATTR, Attr
 
 if TYPE_CHECKING:
     from acache.net.transport import Conn
@@ -118,6 +118,15 @@ class ClientVFS(RemoteNamespace):
         w = self._wopen.get(ino)
         if w is not None:    # keep fstat-based answers in step while it is written here
             os.utime(w.fd, ns=(atime_ns if atime_ns and atime_ns > 0 else mtime_ns, mtime_ns))
+
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        # the kernel asks for security.capability at a file's first write: no xattr is stored
+        # anywhere (the namespace's only one is the computed state), and a file open for
+        # writing here exists, so that answer needs no call to the head -- one round trip per
+        # file written
+        if name != STATE_XATTR and ino in self._wopen:
+            raise FsError(errno.ENODATA)
+        return super().getxattr(ino, name)
 
     # -- handles ----------------------------------------------------------------------------
     def handle_ino(self, fh: int) -> int | None:
