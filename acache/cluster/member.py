@@ -97,6 +97,10 @@ class Member:
             self.sessions = WriteSessions(self.vfs, cache)
             self.sessions.register(self.listener)
         self.listener.register("ns", self._serve_ns)
+        # close-began notices: numbered on the connection's reader thread as they arrive, before
+        # any request behind them is handed to a worker (a close sent after its notice on the
+        # same stream is numbered after it); no worker, no request log
+        self.listener.register("ns.began", self._serve_began, inline=True)
         self.listener.advertise("ns_ops", schema.served())
         self.listener.advertise("node", {"id": node_id, "boot": self._boot})
         self.listener.start()
@@ -348,7 +352,19 @@ class Member:
             self._began_q.put(token)
         return token
 
+    def _serve_began(self, meta: dict, payload) -> dict:
+        head = self.head
+        if head is None:
+            raise OSError(ENOTHEAD, "not the head")
+        tokens = meta.get("tokens")
+        if not isinstance(tokens, list) or len(tokens) > 1024 or \
+                not all(isinstance(t, str) and len(t) <= 256 for t in tokens):
+            raise OSError(errno.EINVAL, "ns.began: tokens must be a list of short strings")
+        head.edge.began(str(meta.get("from", "")), tokens)
+        return {}
+
     def _began_loop(self) -> None:
+        inline = True                    # "ns.began" at the head; an older head: "ns" began
         while (token := self._began_q.get()) is not None:
             tokens = [token]
             while len(tokens) < 64:
@@ -360,6 +376,15 @@ class Member:
             if hid is None or hid == self.node_id or self._stop.is_set():
                 continue
             try:
+                if inline:
+                    try:
+                        self.conn(hid).request("ns.began", {"from": self.node_id, "tokens": tokens},
+                                               timeout=2.0)
+                        continue
+                    except RemoteError as e:
+                        if e.errno != errno.ENOSYS:
+                            raise
+                        inline = False
                 self.conn(hid).request("ns", {"from": self.node_id, "op": "began",
                                               "args": {"tokens": tokens}, "rid": ""}, timeout=2.0)
             except (TransportError, OSError, AcacheError) as e:
