@@ -338,7 +338,9 @@ class ClientVFS(RemoteNamespace):
 
     def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, Attr]:
         self.cache.wait_for_room()
+        self._changed()
         r = self.ns("create", parent=parent, name=name, mode=mode, flags=flags, ctx=_ctx(ctx))
+        self._dir_after_create(parent, r)
         r["trunc"] = bool(flags & os.O_TRUNC)
         with self._ino_lock(r["ino"]):
             fh = self._open_write(r["ino"], r)

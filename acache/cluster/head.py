@@ -356,8 +356,11 @@ class HeadNamespace(Namespace):
             self.writers[node.ino] = [holder, 1]
             if place is not None:
                 self._placed_on(node.ino, node.node)
+            # pattr: the directory as this create left it (the kernel asks for it next: it
+            # drops a directory's attributes at each create in it)
             return {"ino": node.ino, "gen": node.gen, "same": False, "src": None,
-                    "holder": node.node, "attr": attr_dict(self.attr(node))}
+                    "holder": node.node, "attr": attr_dict(self.attr(node)),
+                    "pattr": attr_dict(self.attr(p))}
 
     def copied(self, ino: int, gen: int, holder: str = "") -> None:
         """A writer on ``holder`` finished copying generation ``gen`` (its open's ``src``)."""

@@ -361,6 +361,7 @@ class Member:
                 not all(isinstance(t, str) and len(t) <= 256 for t in tokens):
             raise OSError(errno.EINVAL, "ns.began: tokens must be a list of short strings")
         head.edge.began(str(meta.get("from", "")), tokens)
+        head.calls["began"] = head.calls.get("began", 0) + 1
         return {}
 
     def _began_loop(self) -> None:
@@ -644,6 +645,7 @@ class _Head:
         self.edge = CallEdge(self.meta)
         from acache.cluster.requests import RequestLog
         self.requests = RequestLog(self.meta, edge=self.edge.run)
+        self.calls: dict[str, int] = {}      # namespace requests served, by op (status)
         rec = self.vfs.recover()
         if any(rec.values()):
             log.info("head: recovered %s", rec)
@@ -778,6 +780,7 @@ class _Head:
         op_fn = getattr(self, "op_" + req.op, None)
         if op_fn is None:                # in the table, not handled here: a bug (test_ns_schema)
             raise FsError(errno.ENOSYS)
+        self.calls[req.op] = self.calls.get(req.op, 0) + 1
         if isinstance(req, schema.Began):     # a number, no more: outside the edge
             return op_fn(frm, req)
         began = (frm, req.began) if isinstance(req, schema.Close) and req.began else None
@@ -1007,5 +1010,6 @@ class _Head:
                     "blocked_files": len(journal) if blocked else 0,
                     "blocked_bytes": sum(e.size for e in journal) if blocked else 0,
                     "held": held, "began_used": dict(self.edge.began_used),
+                    "calls": dict(self.calls),
                     "oldest": ({"seq": oldest.seq, "op": oldest.op, "path": oldest.path,
                                 "node": oldest.node} if oldest is not None else None)}

@@ -14,12 +14,18 @@ from __future__ import annotations
 import errno
 import itertools
 import threading
+import time
 from typing import Callable
 
 from acache.errors import FsError
 from acache.fs.api import Base
 from acache.fs.namespace import NAME_MAX
 from acache.fs.types import Attr, Ctx, StatFs
+
+
+# how long a directory's attributes from a create's reply may answer the kernel's next
+# getattr of it (once): what the kernel itself caches attributes for (ENTRY_TIMEOUT)
+DIR_ATTR_FOR = 1.0
 
 
 class RemoteNamespace(Base):
@@ -31,6 +37,20 @@ class RemoteNamespace(Base):
         self.lock = threading.RLock()
         self._dirs: dict[int, list] = {}
         self._dir_fhs = itertools.count(1)
+        # directory ino -> (its attributes as a create here left them, monotonic time): the
+        # kernel drops a directory's attributes at each create in it and asks for them at the
+        # next path walk; answered once from here, not by the head (one round trip per file)
+        self._dir_attrs: dict[int, tuple[Attr, float]] = {}
+
+    def _dir_after_create(self, parent: int, r: dict) -> None:
+        pattr = r.get("pattr")           # an older head sends none
+        if pattr is not None:
+            self._dir_attrs[parent] = (self._attr(pattr), time.monotonic())
+
+    def _changed(self) -> None:
+        """A namespace change made here: no directory's attributes are answered from here."""
+        if self._dir_attrs:
+            self._dir_attrs.clear()
 
     # -- the open-file layer's hooks (see the module docstring) -----------------------------
     def _overlay(self, a: Attr) -> Attr:
@@ -58,10 +78,14 @@ class RemoteNamespace(Base):
         return self._overlay(self._attr(self.ns("lookup", parent=parent, name=name)))
 
     def getattr(self, ino: int, fh: int | None = None) -> Attr:
+        got = self._dir_attrs.pop(ino, None) if self._dir_attrs else None
+        if got is not None and time.monotonic() - got[1] < DIR_ATTR_FOR:
+            return got[0]
         return self._overlay(self._attr(self.ns("getattr", ino=ino)))
 
     def setattr(self, ino: int, ctx: Ctx | None = None, fh: int | None = None, mode=None, uid=None,
                 gid=None, size=None, atime_ns=None, mtime_ns=None) -> Attr:
+        self._changed()
         if size is not None:
             self._truncate(ino, fh, size)
         if {mode, uid, gid, atime_ns, mtime_ns} == {None}:
@@ -73,26 +97,32 @@ class RemoteNamespace(Base):
         return self._overlay(a)
 
     def mkdir(self, parent: int, name: bytes, mode: int, ctx: Ctx) -> Attr:
+        self._changed()
         return self._attr(self.ns("mkdir", parent=parent, name=name, mode=mode, ctx=_ctx(ctx)))
 
     def symlink(self, parent: int, name: bytes, target: bytes, ctx: Ctx) -> Attr:
+        self._changed()
         return self._attr(self.ns("symlink", parent=parent, name=name, target=target, ctx=_ctx(ctx)))
 
     def readlink(self, ino: int, ctx: Ctx | None = None) -> bytes:
         return self.ns("readlink", ino=ino)["target"]
 
     def mknod(self, parent: int, name: bytes, mode: int, rdev: int, ctx: Ctx) -> Attr:
+        self._changed()
         return self._attr(self.ns("mknod", parent=parent, name=name, mode=mode, rdev=rdev,
                                   ctx=_ctx(ctx)))
 
     def unlink(self, parent: int, name: bytes, ctx: Ctx | None = None) -> None:
+        self._changed()
         self.ns("unlink", parent=parent, name=name)
 
     def rmdir(self, parent: int, name: bytes, ctx: Ctx | None = None) -> None:
+        self._changed()
         self.ns("rmdir", parent=parent, name=name)
 
     def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
                flags: int, ctx: Ctx | None = None) -> None:
+        self._changed()
         self.ns("rename", parent_old=parent_old, name_old=name_old, parent_new=parent_new,
                 name_new=name_new, flags=flags)
 

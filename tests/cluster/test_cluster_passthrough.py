@@ -236,3 +236,35 @@ def test_same_size_rewrites_with_mtime_set_back_land(tmp_path, etcd1):
             got = c.ufs_files()
             stale = sorted(k for k, v in last.items() if got.get(k) != v)
             assert not stale, f"round {it}: the under-storage kept old bytes of {stale}"
+
+
+@pytest.mark.parametrize("where", ["head", "member"])
+def test_a_small_file_costs_the_head_these_calls_only(tmp_path, etcd1, where):
+    """create + write + close of a new file asks the head for its create, its close and the
+    end of its session (and a close-began notice): the directory's attributes the kernel asks
+    for after each create come from the create's reply, the security.capability getxattr at
+    the first write is answered by the node (each was a round trip per file)."""
+    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=600) as c:
+        head_id = c.wait_head()
+        n = next(x for x in c.nodes if (x.root.name == head_id) == (where == "head"))
+        head = c.node(head_id)
+        (n.mnt / "d").mkdir()
+        files = 20
+        before = dict(head.status()["cluster"]["calls"])
+        for i in range(files):
+            fd = os.open(n.mnt / "d" / f"f{i}", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+            os.write(fd, b"x" * 4096)
+            os.close(fd)
+        deadline = time.monotonic() + 30     # the last RELEASE is sent after close(2) returned
+        while True:
+            after = head.status()["cluster"]["calls"]
+            d = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+            if d.get("end_write", 0) >= files or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert d.get("create") == files and d.get("close") == files and \
+            d.get("end_write") == files, d
+        d.pop("status", None)                # this test's own
+        # one getattr: of the new directory, at the first path walk into it
+        assert d.get("getattr", 0) <= 1 and not d.get("getxattr"), d
+        assert sum(d.values()) <= 5 * files + 1, d   # lookup and began at most once a file
