@@ -245,6 +245,20 @@ def etcd_txn_seconds(endpoints: list[str], n: int = 500) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def cpu_seconds(pids: list[int | None]) -> float:
+    """User + system CPU the processes (and their reaped children) have used, in seconds."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue
+        total += sum(int(x) for x in fields[11:15])
+    return total / tick
+
+
 def rm(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)
@@ -482,9 +496,15 @@ def case_persist(c: Cluster, srcs: dict[str, list[Path]], rows: list, log) -> No
 def case_write(c: Cluster, base: Path, rows: list, log) -> None:
     """fio sequential writes through the head's and the member's mounts vs the raw disk."""
     from bench.fio import run_fio
+    from bench.procs import drop_caches
     a = c.a
-    targets = {"raw disk": base / "raw-write", "cluster head (A)": c.nodes["a"].mnt,
-               "cluster member (B)": c.nodes["b"].mnt}
+    # the embedded engine on one host, in the same run: what the cluster's figures should match
+    targets = {"raw disk": base / "raw-write", "embedded, one host": c.embedded.mnt,
+               "cluster head (A)": c.nodes["a"].mnt, "cluster member (B)": c.nodes["b"].mnt}
+    owner = {"embedded, one host": c.embedded, "cluster head (A)": c.nodes["a"],
+             "cluster member (B)": c.nodes["b"]}
+    others = {"etcd+moto+daemons": [p.pid for p in c.hosts._procs] + [n.pid() for n in owner.values()]}
+    drop_caches()
     for jobs in (1, 4):
         t: dict[str, list[float]] = {k: [] for k in targets}
         p99: dict[str, list[float]] = {k: [] for k in targets}
@@ -492,13 +512,24 @@ def case_write(c: Cluster, base: Path, rows: list, log) -> None:
             for what in rotated(rep, list(targets)):
                 d = targets[what] / f"fio-{jobs}-{rep}"
                 d.mkdir(parents=True)
+                cpu0 = cpu_seconds(others["etcd+moto+daemons"])
                 r = run_fio(d, "write", a.write_size, jobs)
+                cpu = cpu_seconds(others["etcd+moto+daemons"]) - cpu0
                 t[what].append(r["bytes"] / MiB / r["mib_s"])      # seconds: medians like the rest
                 p99[what].append(r["p99_ms"])
                 log(f"write {jobs} job(s) rep {rep + 1}: {what:20} {r['mib_s']:8.0f} MiB/s, "
-                    f"p99 {r['p99_ms']:.3f} ms")
+                    f"p99 {r['p99_ms']:.3f} ms; CPU of etcd, moto and the daemons meanwhile "
+                    f"{cpu:.2f} s of {r['wall_s']:.2f} s")
+                # settle before the next run, as scripts/bench does: the persister's upload of
+                # this run, the deletes and the dirty pages must not land inside the next
+                # target's timing (without this the reps spread 274-1,916 MiB/s)
+                if what != "raw disk":
+                    flush(owner[what])
                 shutil.rmtree(d)
-        for what in ("cluster head (A)", "cluster member (B)"):
+                if what != "raw disk":
+                    flush(owner[what])
+                drop_caches()
+        for what in ("embedded, one host", "cluster head (A)", "cluster member (B)"):
             rows.append(row(f"fio write 256 KiB, end_fsync, {jobs} job(s), {what}; p99 "
                             f"{statistics.median(p99[what]):.3f} ms vs "
                             f"{statistics.median(p99['raw disk']):.3f} ms raw", "MiB/s",

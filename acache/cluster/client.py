@@ -336,10 +336,16 @@ class ClientVFS(RemoteNamespace):
             self._complete.add((ino, gen))
         return fh
 
+    def _copy_max(self) -> int | None:
+        """The largest file this cache copies into a new generation rather than have it
+        written in place (schema.OpenWrite.copy_max): any size with reflinks."""
+        return None if self.cache.cheap_clone(1 << 62) else self.cache.CLONE_MAX
+
     def create(self, parent: int, name: bytes, mode: int, flags: int, ctx) -> tuple[int, Attr]:
         self.cache.wait_for_room()
         self._changed()
-        r = self.ns("create", parent=parent, name=name, mode=mode, flags=flags, ctx=_ctx(ctx))
+        r = self.ns("create", parent=parent, name=name, mode=mode, flags=flags, ctx=_ctx(ctx),
+                    copy_max=self._copy_max())
         self._dir_after_create(parent, r)
         r["trunc"] = bool(flags & os.O_TRUNC)
         with self._ino_lock(r["ino"]):
@@ -354,7 +360,7 @@ class ClientVFS(RemoteNamespace):
             self.cache.wait_for_room()
             trunc = bool(flags & os.O_TRUNC)
             with self._ino_lock(ino):
-                r = self.ns("open_write", ino=ino, trunc=trunc)
+                r = self.ns("open_write", ino=ino, trunc=trunc, copy_max=self._copy_max())
                 r["trunc"] = trunc
                 fh = self._open_write(ino, r)
             self._handles[fh].append = bool(flags & os.O_APPEND)

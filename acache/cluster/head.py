@@ -254,11 +254,14 @@ class HeadNamespace(Namespace):
                 "upath": node.upath, "size": node.size, "persisted": persisted}
 
     def open_write(self, ino: int, trunc: bool, holder: str,
-                   place: Callable[[int, Mapping[str, int]], str] | None = None) -> dict:
+                   place: Callable[[int, Mapping[str, int]], str] | None = None,
+                   copy_max: int | None = None) -> dict:
         """A write session of ``holder`` on the file: always a generation of its own (never
-        one a PUT or a reader elsewhere refers to), unless it has one open already.
+        one a PUT or a reader elsewhere refers to), unless it has one open already, or the
+        holder reopens a file whose PUT has not started (written in place, below).
         ``place``: the writer has no cache (acache.cluster.cacheless): the new generation's
-        holder is ``place(ino, placed_load)``, a worker, not the writer."""
+        holder is ``place(ino, placed_load)``, a worker, not the writer.  ``copy_max``:
+        schema.OpenWrite."""
         with self.lock:
             node = self._node(ino)
             if node.is_dir:
@@ -284,12 +287,18 @@ class HeadNamespace(Namespace):
                     node.size = 0
                     node.synced = min(node.synced, 0)
                     node.mtime_ns = node.ctime_ns = time.time_ns()
-                node.dirty = True
-                txn.save(node)
-                txn.commit()
-                self.writers[ino] = [holder, 1]
-                return {"gen": node.gen, "same": True, "src": None, "holder": node.node,
-                        "attr": attr_dict(self.attr(node))}
+                return self._write_in_place(txn, node, holder)
+            if place is None and node.node == holder and node.cached and node.nlink > 0 \
+                    and not trunc and copy_max is not None and node.size > copy_max \
+                    and not self._remote_open(ino, node.gen) \
+                    and self.meta.gen_pending(ino, node.gen):
+                # its holder opens a big file again whose PUT has not landed, and copying
+                # it there would be costly (no reflinks): write it in place; its PUT keeps
+                # its place in the journal but waits for this writer's close, and then
+                # commits what the file holds by then, as on one host (journal.hold_put)
+                txn = self.meta.txn()
+                if journal.hold_put(self.meta, txn, self.persister, node):
+                    return self._write_in_place(txn, node, holder)
             src = None if trunc or not node.size else self._source(node)
             new_holder = place(ino, self.placed_load) if place is not None else holder
             old_gen, old_holder = node.gen, node.node
@@ -320,9 +329,20 @@ class HeadNamespace(Namespace):
             return {"gen": node.gen, "same": False, "src": src, "holder": node.node,
                     "attr": attr_dict(self.attr(node))}
 
+    def _write_in_place(self, txn, node: Inode, holder: str) -> dict:
+        """open_write's session on the generation ``node`` has (lock held; ``txn`` has
+        what the caller changed): committed, and the reply."""
+        node.dirty = True
+        txn.save(node)
+        S.save_writer(txn, node.ino, [holder, 1], None)
+        txn.commit()
+        self.writers[node.ino] = [holder, 1]
+        return {"gen": node.gen, "same": True, "src": None, "holder": node.node,
+                "attr": attr_dict(self.attr(node))}
+
     def create_file(self, parent: int, name: bytes, mode: int, flags: int, ctx: Ctx,
-                    holder: str, place: Callable[[int, Mapping[str, int]], str] | None = None
-                    ) -> dict:
+                    holder: str, place: Callable[[int, Mapping[str, int]], str] | None = None,
+                    copy_max: int | None = None) -> dict:
         self._check_name(name)
         existing = self._child(parent, name)
         if existing is not None:
@@ -330,7 +350,8 @@ class HeadNamespace(Namespace):
                 raise FsError(errno.EEXIST)
             if existing.is_dir:
                 raise FsError(errno.EISDIR)
-            out = self.open_write(existing.ino, bool(flags & os.O_TRUNC), holder, place)
+            out = self.open_write(existing.ino, bool(flags & os.O_TRUNC), holder, place,
+                                  copy_max)
             out["ino"] = existing.ino
             return out
         with self.lock:
@@ -404,23 +425,30 @@ class HeadNamespace(Namespace):
             if again and self._put_unstarted(node):
                 return
             txn = self.meta.txn()
-            if again:
-                journal.on_reopen(self.meta, txn, self.persister, node)
             if w is not None and w[0] == holder:
                 S.save_writer(txn, ino, w, self.placed.get(ino))
             node.size = size
             node.mtime_ns = max(node.mtime_ns, mtime_ns)
             node.ctime_ns = max(node.ctime_ns, ctime_ns)
-            if node.nlink > 0:
-                e = journal.journal_put(self.meta, txn, self.persister, node)
-                e.node = node.node           # where the bytes are (a worker, for a cacheless writer)
-                txn.update_entry(e)
+            self._journal_commit(txn, node, again)
             node.dirty = False
             node.synced = -1
             node.local = ""
             txn.save(node)
             txn.commit()
         self.persister.wake()
+
+    def _journal_commit(self, txn, node: Inode, again: bool) -> None:
+        """Journal ``node``'s commit in ``txn``: a PUT of its generation from where its bytes
+        are (its holder; a worker, for a cacheless writer).  ``again``: the file was journaled
+        at an earlier close; what that journaled and has not started is cancelled first
+        (journal.on_reopen), so one PUT stays."""
+        if again:
+            journal.on_reopen(self.meta, txn, self.persister, node)
+        if node.nlink > 0:
+            e = journal.journal_put(self.meta, txn, self.persister, node)
+            e.node = node.node
+            txn.update_entry(e)
 
     def _put_unstarted(self, node: Inode) -> bool:
         """Does a PUT of ``node``'s generation wait in the journal, not started (so it reads
@@ -439,18 +467,17 @@ class HeadNamespace(Namespace):
             node = self.meta.get(ino)
             txn = self.meta.txn()
             S.save_writer(txn, ino, None, None)
-            if again and node is not None and self._writes(node, gen, holder) and \
-                    node.nlink > 0 and not node.dirty and not self._put_unstarted(node):
-                journal.on_reopen(self.meta, txn, self.persister, node)
-                e = journal.journal_put(self.meta, txn, self.persister, node)
-                e.node = node.node
-                txn.update_entry(e)
+            again = (again and node is not None and self._writes(node, gen, holder)
+                     and node.nlink > 0 and not node.dirty and not self._put_unstarted(node))
+            if again and node is not None:
+                self._journal_commit(txn, node, again=True)
                 txn.save(node)
             txn.commit(lazy=True)        # a RELEASE: it may share the next call's etcd write
             del self.writers[ino]
             self._unplace(ino)
             self._released.notify_all()
-            node = self.meta.get(ino)
+        if again:
+            self.persister.wake()
         self._settle(ino, gen, node)
 
     def _settle(self, ino: int, gen: int, node: Inode | None) -> None:
@@ -574,6 +601,13 @@ class HeadNamespace(Namespace):
                     journaled.append(node.ino)
                     out["reopened"] += 1
                 else:
+                    # the under-storage keeps its last closed version: a PUT of this
+                    # generation held for the writer (open_write) is withdrawn, its bytes
+                    # were being changed in place (as on one host, VFS._recover_dirty)
+                    for e in self.meta.puts_of(node.ino):
+                        if e.gen == node.gen and e.hold and \
+                                self.persister.state(e.seq) != "committing":
+                            txn.remove_entry(e.seq)
                     node.dirty = False
                     node.local = "open for writing on %s when it stopped, never fsynced" % holder
                     out["unacknowledged"] += 1

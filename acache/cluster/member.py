@@ -74,6 +74,7 @@ class Member:
         self._began_n = 0
         self._began_q: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._began_loop, name="acache-began", daemon=True).start()
+        cache.on_stall = self.hurry      # writers wait for room: the head persists now
         # a node without a cache (placement = "hash") writes into workers' caches
         # (acache.cluster.cacheless), takes no placed files and never runs the head (its
         # persister would need a cache); a worker serves their write sessions
@@ -363,6 +364,27 @@ class Member:
         head.edge.began(str(meta.get("from", "")), tokens)
         head.calls["began"] = head.calls.get("began", 0) + 1
         return {}
+
+    def hurry(self) -> None:
+        """This node's cache is full of dirty data and its writers wait for room
+        (CacheDir.on_stall): the files are persisted by the head's persister, which is asked
+        to start now rather than after the flush delay.  Best effort and off the writer's
+        thread: a lost request leaves the flush delay, then the writer's stall_timeout."""
+        head = self.head
+        if head is not None:
+            head.persister.hurry(head.meta.last_seq())
+            return
+
+        def send() -> None:
+            hid = self._head_id
+            if hid is None or hid == self.node_id or self._stop.is_set():
+                return
+            try:
+                self.conn(hid).request("ns", {"from": self.node_id, "op": "hurry", "args": {},
+                                              "rid": ""}, timeout=5.0)
+            except (TransportError, OSError, AcacheError) as e:   # ENOSYS: an older head
+                log.debug("asking %s to persist now: %s", hid, e)
+        self._notes.put(send)
 
     def _began_loop(self) -> None:
         inline = True                    # "ns.began" at the head; an older head: "ns" began
@@ -770,7 +792,8 @@ class _Head:
     # requests that change nothing (or, rejoin, that are idempotent with a large reply):
     # their replies are not stored (acache.cluster.requests)
     NOT_LOGGED = frozenset({"lookup", "getattr", "readlink", "readdir", "sync", "getxattr",
-                            "source", "journal", "status", "flush", "rejoin", "began"})
+                            "source", "journal", "status", "flush", "rejoin", "began",
+                            "hurry"})
 
     def call(self, frm: str, req: schema.Request, rid: str = "") -> dict:
         """One namespace operation (``req``, checked: acache.cluster.schema) asked by node
@@ -865,10 +888,10 @@ class _Head:
 
     def op_create(self, frm, r):
         return self.vfs.create_file(r.parent, r.name, r.mode, r.flags, self._ctx(r), frm,
-                                    self._place(r))
+                                    self._place(r), r.copy_max)
 
     def op_open_write(self, frm, r):
-        return self.vfs.open_write(r.ino, bool(r.trunc), frm, self._place(r))
+        return self.vfs.open_write(r.ino, bool(r.trunc), frm, self._place(r), r.copy_max)
 
     def op_source(self, frm, r):
         return self.vfs.source(r.ino)
@@ -946,6 +969,11 @@ class _Head:
         return (f"; waiting for node {', '.join(down)} (down), which holds unpersisted files"
                 if down else "")
 
+
+    def op_hurry(self, frm, r):
+        """``frm``'s writers wait for room in its cache: no flush delay for what is journaled."""
+        self.persister.hurry(self.meta.last_seq())
+        return {}
 
     def op_journal(self, frm, r):
         total, entries = self.persister.entries(int(r.limit))

@@ -175,14 +175,19 @@ class Create(Request):
     flags: int
     ctx: dict = field(default_factory=dict)
     place: bool = False
+    copy_max: int | None = None
 
 
 @_op("open_write")
 @dataclass(frozen=True)
 class OpenWrite(Request):
+    """``copy_max``: the largest file the asking holder copies into a new generation; a
+    bigger one it would rather write in place, its pending PUT held for its close
+    (journal.hold_put), as one host does without reflinks.  None: any size (reflinks)."""
     ino: int
     trunc: bool
     place: bool = False
+    copy_max: int | None = None
 
 
 @_op("source", mutates=False)
@@ -287,6 +292,13 @@ class Flush(Request):
     timeout: float | None = None
 
 
+@_op("hurry", mutates=False)
+@dataclass(frozen=True)
+class Hurry(Request):
+    """The asking node's cache is full of dirty data and its writers wait for room: persist
+    what is journaled now, without the flush delay (the one-host CacheDir.on_stall)."""
+
+
 @_op("journal", mutates=False)
 @dataclass(frozen=True)
 class Journal(Request):
@@ -309,7 +321,7 @@ class Status(Request):
 OPS: dict[str, type[Request]] = {c.op: c for c in (
     Lookup, GetAttr, SetAttr, Mkdir, Symlink, Mknod, Readlink, Unlink, Rmdir, Rename, Readdir,
     Sync, GetXattr, SetXattr, RemoveXattr, Create, OpenWrite, Source, OpenRead, Copied, Close,
-    Began, Reopen, EndWrite, EndRead, Fsync, Evict, Rejoin, Flush, Journal, JournalSkip, Status)}
+    Began, Reopen, EndWrite, EndRead, Fsync, Evict, Rejoin, Flush, Hurry, Journal, JournalSkip, Status)}
 
 # what each op answers (a msgpack map): "attr" is acache.fs.types.Attr as a map, {} nothing
 REPLIES: dict[str, str] = {
@@ -321,7 +333,7 @@ REPLIES: dict[str, str] = {
     "source": "{gen, holder, cached, ...}", "open_read": "{gen, holder, cached, ...}",
     "copied": "{}", "close": "{}", "began": "{}", "reopen": "{}", "end_write": "{}", "end_read": "{}",
     "fsync": "{}", "evict": "{ok}", "rejoin": "{clean, drop, ...}", "flush": "{ok, error?, ...}",
-    "journal": "{total, entries}", "journal_skip": "{...}", "status": "{head, queue, ...}"}
+    "hurry": "{}", "journal": "{total, entries}", "journal_skip": "{...}", "status": "{head, queue, ...}"}
 assert set(REPLIES) == set(OPS)
 
 

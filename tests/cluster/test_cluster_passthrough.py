@@ -168,6 +168,112 @@ def test_reopen_by_its_holder_writes_in_place(tmp_path, etcd1):
         assert c.ufs_files() == {"f": b"new gen" + want[7:]}
 
 
+def _fallocated(path, size: int, head: bytes) -> None:
+    """fio's layout of a file: create, a few bytes, fallocate to ``size``, close."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, head)
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
+def _reflinks(d) -> bool:
+    import fcntl
+    a, b = d / ".probe-a", d / ".probe-b"
+    try:
+        with open(a, "wb") as fa, open(b, "wb") as fb:
+            fa.write(b"x")
+            fa.flush()
+            fcntl.ioctl(fb.fileno(), 0x40049409, fa.fileno())      # FICLONE
+        return True
+    except OSError:
+        return False
+    finally:
+        for p in (a, b):
+            p.unlink(missing_ok=True)
+
+
+BIG = (64 << 20) + 4096       # over the size a cache without reflinks copies (CacheDir.CLONE_MAX)
+
+
+@pytest.mark.parametrize("where", ["head", "member"])
+def test_big_files_reopened_together_are_written_in_place(tmp_path, etcd1, where):
+    """fio with several jobs lays out each file (create, fallocate, close), then reopens them
+    all: only the newest PUT is the journal's last entry, so the others used to be copied
+    whole into new generations (one 2 GiB fio run cost the daemon seconds of CPU and halved
+    its speed).  A big file reopened by its holder is written in place with its PUT held
+    for its close, as on one host; what lands is what the second close left."""
+    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=600) as c:
+        head_id = c.wait_head()
+        n = c.node(head_id) if where == "head" else next(x for x in c.nodes if x.root.name != head_id)
+        if _reflinks(n.home / "cache"):
+            pytest.skip("the cache filesystem has reflinks: a copy costs nothing there")
+        names = [f"job{i}" for i in range(3)]
+        for i, name in enumerate(names):
+            _fallocated(n.mnt / name, BIG, b"layout %d" % i)
+        inos = {name: os.stat(n.mnt / name).st_ino for name in names}
+        files = [open(n.mnt / name, "r+b") for name in names]     # all open at once
+        try:
+            for i, f in enumerate(files):
+                f.seek(1 << 20)
+                f.write(b"second session %d" % i)
+        finally:
+            for f in files:
+                f.close()
+        for name in names:
+            gens = sorted((n.home / "cache" / "data").glob(f"{inos[name]:x}.*"))
+            assert len(gens) == 1, (name, gens)          # the same generation: nothing copied
+        want = {}
+        for i, name in enumerate(names):
+            b = bytearray(BIG)
+            head = b"layout %d" % i
+            b[:len(head)] = head
+            mark = b"second session %d" % i
+            b[1 << 20:(1 << 20) + len(mark)] = mark
+            want[name] = hashlib.sha256(b).hexdigest()
+        n.flush(timeout=180)
+        got = {k: hashlib.sha256(v).hexdigest() for k, v in c.ufs_files().items()}
+        assert got == want
+
+
+def test_kill9_of_a_holder_writing_in_place_withdraws_the_held_put(tmp_path, etcd1):
+    """A big file reopened in place (its PUT held for the writer's close), changed, never
+    fsynced, then kill -9 of its holder: at its restart the held PUT is withdrawn (its bytes
+    were being changed; what the cache holds is shown unacknowledged, as on one host), and
+    what was closed after it is persisted -- the journal is not stuck behind it."""
+    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=600) as c:
+        head_id = c.wait_head()
+        head = c.node(head_id)
+        m = next(n for n in c.nodes if n.root.name != head_id)
+        _fallocated(m.mnt / "big", BIG, b"first close")
+        (m.mnt / "other").write_bytes(b"closed before the reopen")   # big's PUT: not the newest
+        f = open(m.mnt / "big", "r+b")
+        try:
+            f.write(b"changed in place, not acknowledged")
+            f.flush()
+            (m.mnt / "later").write_bytes(b"closed after the reopen")
+            m.kill9()
+        finally:
+            try:
+                f.close()
+            except OSError:
+                pass
+        m.restart()
+        head.flush(timeout=120)
+        got = c.ufs_files()
+        assert got.get("later") == b"closed after the reopen"
+        assert got.get("other") == b"closed before the reopen"
+        assert "big" not in got, len(got.get("big", b""))
+        state = os.getxattr(m.mnt / "big", "user.acache.state").decode()
+        assert state == "unacknowledged", state
+        with open(m.mnt / "big", "r+b") as f:       # closed again: persisted as it is now
+            f.write(b"closed again")
+        head.flush(timeout=180)
+        big = c.ufs_files()["big"]
+        assert len(big) == BIG and big.startswith(b"closed again")
+
+
 @pytest.mark.parametrize("where", ["head", "member"])
 def test_mapping_written_after_close_and_landing_lands(tmp_path, etcd1, where):
     """A shared mapping outlives close(2) of its descriptor (Python's mmap holds a dup): the
