@@ -22,6 +22,8 @@ holder acknowledged.
 """
 from __future__ import annotations
 
+import collections
+
 import errno
 import itertools
 import logging
@@ -145,6 +147,12 @@ class HeadNamespace(Namespace):
         # old gens a writer copies from: (ino, gen) -> {node: writers copying}
         self.pinned: dict[tuple[int, int], dict[str, int]] = loaded.pinned
         self._holder_of: dict[tuple[int, int], str] = loaded.holder_of   # superseded gens still held
+        # generations this head made that no other node has opened for reading since: only
+        # those may be written in place by their holder (open_write), since a node that read
+        # one may keep its bytes (ReadThrough's chunks, its copy) under the same (ino, gen).
+        # Not durable: after a takeover nothing is known, and every reopen gets a new
+        # generation; bounded (the oldest are forgotten, the same conservative answer)
+        self._unread: collections.OrderedDict[tuple[int, int], None] = collections.OrderedDict()
         # the write sessions of cacheless writers, by inode: the worker each was placed on,
         # and per worker how many are open (what bounds the next placement: placement.bounded)
         self.placed: dict[int, str] = loaded.placed
@@ -274,8 +282,9 @@ class HeadNamespace(Namespace):
                     node.size = 0
                 return {"gen": node.gen, "same": True, "src": None, "holder": node.node,
                         "attr": attr_dict(self.attr(node))}
+            unread = (ino, node.gen) in self._unread
             if place is None and node.node == holder and node.cached and node.nlink > 0 \
-                    and not self._remote_open(ino, node.gen) \
+                    and unread and not self._remote_open(ino, node.gen) \
                     and self._newest_unstarted(ino, node.gen):
                 # its holder opens it again and its pending PUT is the journal's newest entry,
                 # not started, read by nobody: nothing can overtake it, so the holder writes
@@ -290,8 +299,8 @@ class HeadNamespace(Namespace):
                 return self._write_in_place(txn, node, holder)
             if place is None and node.node == holder and node.cached and node.nlink > 0 \
                     and not trunc and copy_max is not None and node.size > copy_max \
-                    and not self._remote_open(ino, node.gen) \
-                    and self.meta.gen_pending(ino, node.gen):
+                    and unread and not self._remote_open(ino, node.gen) \
+                    and self._put_unstarted(node):
                 # its holder opens a big file again whose PUT has not landed, and copying
                 # it there would be costly (no reflinks): write it in place; its PUT keeps
                 # its place in the journal but waits for this writer's close, and then
@@ -305,6 +314,8 @@ class HeadNamespace(Namespace):
             txn = self.meta.txn()
             self._holder_of[(ino, old_gen)] = old_holder
             node.gen += 1
+            self._unread.pop((ino, old_gen), None)
+            self._made_unread(ino, node.gen)
             node.node = new_holder
             node.cached = True
             if trunc:
@@ -328,6 +339,13 @@ class HeadNamespace(Namespace):
                 self.gc_gen(ino, old_gen)
             return {"gen": node.gen, "same": False, "src": src, "holder": node.node,
                     "attr": attr_dict(self.attr(node))}
+
+    UNREAD_MAX = 1 << 16
+
+    def _made_unread(self, ino: int, gen: int) -> None:
+        self._unread[(ino, gen)] = None
+        while len(self._unread) > self.UNREAD_MAX:
+            self._unread.popitem(last=False)
 
     def _write_in_place(self, txn, node: Inode, holder: str) -> dict:
         """open_write's session on the generation ``node`` has (lock held; ``txn`` has
@@ -374,6 +392,7 @@ class HeadNamespace(Namespace):
             self._touch_dir(txn, p)
             S.save_writer(txn, node.ino, [holder, 1], node.node if place is not None else None)
             txn.commit()
+            self._made_unread(node.ino, node.gen)
             self.writers[node.ino] = [holder, 1]
             if place is not None:
                 self._placed_on(node.ino, node.node)
@@ -525,6 +544,8 @@ class HeadNamespace(Namespace):
             if node.is_dir:
                 raise FsError(errno.EISDIR)
             key = (ino, node.gen)
+            if holder != node.node:
+                self._unread.pop(key, None)      # it may keep what it reads: no writes in place
             n = self.ropens.get(key, {}).get(holder, 0) + 1
             txn = self.meta.txn()
             S.save_count(txn, S.read_key(ino, node.gen, holder), n, node.node)

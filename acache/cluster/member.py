@@ -768,6 +768,8 @@ class _Head:
         import os
         from acache.errors import UnderStoreError
         holder = e.node
+        with self.vfs.lock:      # a copy here: that generation is not written in place again
+            self.vfs._unread.pop((e.ino, e.gen), None)
         if not holder or holder == self.member.node_id or e.size == 0:
             if not self.cache.exists(e.ino, e.gen):
                 self.cache.create_empty(e.ino, e.gen)

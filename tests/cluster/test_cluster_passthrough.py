@@ -237,6 +237,77 @@ def test_big_files_reopened_together_are_written_in_place(tmp_path, etcd1, where
         assert got == want
 
 
+@pytest.mark.parametrize("case", ["newest put", "held put"])
+def test_a_file_read_elsewhere_is_not_written_in_place(tmp_path, etcd1, case):
+    """A node that read a generation may keep its bytes (read-through chunks, its copy) under
+    that (ino, gen): once another node has opened it for reading, the holder's reopen gets a
+    new generation, and the reader's next open reads the new bytes.  Before, the holder wrote
+    in place and the other node read its old bytes after the close (close-to-open broken):
+    "newest put" is the reopen of a file whose PUT is the journal's last entry, "held put" of
+    a big one behind another file's."""
+    size = 4 << 20 if case == "newest put" else BIG
+    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=600) as c:
+        h = c.node(c.wait_head())
+        m = next(n for n in c.nodes if n is not h)
+        (m.mnt / "f").write_bytes(b"a" * size)
+        if case == "held put":
+            (m.mnt / "g").write_bytes(b"g")
+        assert (h.mnt / "f").read_bytes() == b"a" * size
+        with open(m.mnt / "f", "r+b") as f:
+            f.write(b"b")
+        got = (h.mnt / "f").read_bytes()
+        assert got[:2] == b"ba" and len(got) == size
+        m.flush(timeout=120)
+        assert c.ufs_files()["f"] == got
+
+
+def test_in_place_reopens_with_readers_elsewhere_stay_byte_exact(tmp_path, etcd1):
+    """Random in-place rewrites of big files on a member while the head reads them (some
+    readers open across the rewrite), S3 uploads (multipart, staged from the member) running
+    meanwhile: every read on the head is what the member's last close left, and S3 ends
+    with every file as last closed."""
+    import random
+    import uuid
+    from tests.s3server import S3Server
+    rnd = random.Random(7)
+    with S3Server() as srv:
+        prefix = f"p-{uuid.uuid4().hex[:8]}"
+        env = {f"ACACHE_S3_{k.upper()}": str(v)
+               for k, v in srv.options(part_size="5MiB", multipart_threshold="5MiB").items()}
+        with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=0.05,
+                          ufs=srv.url(prefix), extra_env=env) as c:
+            h = c.node(c.wait_head())
+            m = next(n for n in c.nodes if n is not h)
+            model = {}
+            for i in range(3):
+                b = bytearray(rnd.randbytes(BIG))
+                (m.mnt / f"big{i}").write_bytes(b)
+                model[f"big{i}"] = b
+            for step in range(30):
+                name = f"big{rnd.randrange(3)}"
+                reader = open(h.mnt / name, "rb") if rnd.random() < 0.2 else None
+                before = hashlib.sha256(model[name]).digest() if reader else None
+                with open(m.mnt / name, "r+b") as f:
+                    off = rnd.randrange(BIG - (1 << 20))
+                    chunk = rnd.randbytes(rnd.randrange(1, 1 << 20))
+                    f.seek(off)
+                    f.write(chunk)
+                    model[name][off:off + len(chunk)] = chunk
+                if reader:
+                    with reader:           # opened before the rewrite: what it opened
+                        assert hashlib.sha256(reader.read()).digest() == before, step
+                if rnd.random() < 0.3:
+                    (m.mnt / f"small{step}").write_bytes(b"s%d" % step)
+                    model[f"small{step}"] = bytearray(b"s%d" % step)
+                if rnd.random() < 0.3:
+                    assert (h.mnt / name).read_bytes() == bytes(model[name]), (step, name)
+            m.flush(timeout=300)
+            got = srv.objects(prefix)
+            assert sorted(got) == sorted(model)
+            for k, v in model.items():
+                assert got[k] == bytes(v), k
+
+
 def test_kill9_of_a_holder_writing_in_place_withdraws_the_held_put(tmp_path, etcd1):
     """A big file reopened in place (its PUT held for the writer's close), changed, never
     fsynced, then kill -9 of its holder: at its restart the held PUT is withdrawn (its bytes
