@@ -23,7 +23,6 @@ holder acknowledged.
 from __future__ import annotations
 
 import collections
-
 import errno
 import itertools
 import logging
