@@ -503,7 +503,7 @@ def case_write(c: Cluster, base: Path, rows: list, log) -> None:
                "cluster head (A)": c.nodes["a"].mnt, "cluster member (B)": c.nodes["b"].mnt}
     owner = {"embedded, one host": c.embedded, "cluster head (A)": c.nodes["a"],
              "cluster member (B)": c.nodes["b"]}
-    others = {"etcd+moto+daemons": [p.pid for p in c.hosts._procs] + [n.pid() for n in owner.values()]}
+    others = [p.pid for p in c.hosts._procs] + [n.pid() for n in owner.values()]   # etcd, moto, daemons
     drop_caches()
     for jobs in (1, 4):
         t: dict[str, list[float]] = {k: [] for k in targets}
@@ -512,9 +512,9 @@ def case_write(c: Cluster, base: Path, rows: list, log) -> None:
             for what in rotated(rep, list(targets)):
                 d = targets[what] / f"fio-{jobs}-{rep}"
                 d.mkdir(parents=True)
-                cpu0 = cpu_seconds(others["etcd+moto+daemons"])
+                cpu0 = cpu_seconds(others)
                 r = run_fio(d, "write", a.write_size, jobs)
-                cpu = cpu_seconds(others["etcd+moto+daemons"]) - cpu0
+                cpu = cpu_seconds(others) - cpu0
                 t[what].append(r["bytes"] / MiB / r["mib_s"])      # seconds: medians like the rest
                 p99[what].append(r["p99_ms"])
                 log(f"write {jobs} job(s) rep {rep + 1}: {what:20} {r['mib_s']:8.0f} MiB/s, "

@@ -38,6 +38,28 @@ def wait_gone_after_sigkill(pid: int, mnt: Path, must: bool = True) -> None:
     assert gone(10) or not must, f"kill -9: the daemon (pid {pid}) is still there after 15 s"
 
 
+def errno_of(fn) -> int:
+    """0 if ``fn()`` worked, else its errno (an OSError is the only acceptable failure)."""
+    try:
+        fn()
+        return 0
+    except OSError as e:
+        assert e.errno, e
+        return e.errno
+
+
+def mount_tmpfs(d: Path, size: str = "200m") -> Path:
+    """A tmpfs of ``size`` on the new directory ``d`` (a small disk for full-disk tests);
+    undo with umount_tmpfs."""
+    d.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], check=True)
+    return d
+
+
+def umount_tmpfs(d: Path) -> None:
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
 def fuse_mounts() -> list[str]:
     with open("/proc/mounts") as f:
         return [ln.split()[1] for ln in f if ln.split()[2].startswith("fuse")]

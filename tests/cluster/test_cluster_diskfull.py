@@ -23,6 +23,7 @@ import uuid
 
 import pytest
 
+from tests.acache_node import errno_of as _try, mount_tmpfs, umount_tmpfs
 from tests.cluster_local import LocalCluster
 from tests.e2e.conftest import _NATIVE, _need_fuse
 from tests.s3server import S3Server
@@ -42,14 +43,11 @@ def tmpfs(tmp_path):
     made = []
 
     def make(name: str) -> str:
-        d = tmp_path / name
-        d.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(d)], check=True)
-        made.append(d)
-        return str(d / "cache")
+        made.append(mount_tmpfs(tmp_path / name))
+        return str(made[-1] / "cache")
     yield make
     for d in made:
-        subprocess.run(["umount", "-l", str(d)], check=False)
+        umount_tmpfs(d)
 
 
 def _cluster(tmp_path, etcd1, srv, tmpfs, prefix: str, **env) -> LocalCluster:
@@ -60,15 +58,6 @@ def _cluster(tmp_path, etcd1, srv, tmpfs, prefix: str, **env) -> LocalCluster:
     for i, n in enumerate(c.nodes):
         n.env["ACACHE_CACHE_DIR"] = tmpfs(f"cachefs{i}")
     return c
-
-
-def _try(fn) -> int:
-    try:
-        fn()
-        return 0
-    except OSError as e:
-        assert e.errno, e
-        return e.errno
 
 
 def test_a_members_cache_fills_while_s3_is_down(tmp_path, etcd1, tmpfs):

@@ -8,6 +8,7 @@ under-storage's bytes, writes through a descriptor left open after a dup's close
 kill -9."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -26,6 +27,20 @@ pytestmark = [pytest.mark.usefixtures("need_fuse"),
 @pytest.fixture
 def need_fuse():
     _need_fuse()
+
+
+@contextlib.contextmanager
+def open_across_crash(path, mode: str):
+    """``open(path, mode)`` for a block that kills the node under it: the close after the
+    crash may fail (the mount is gone), which is expected."""
+    f = open(path, mode)
+    try:
+        yield f
+    finally:
+        try:
+            f.close()
+        except OSError:
+            pass
 
 
 def writes_seen(node) -> int:
@@ -90,16 +105,12 @@ def test_fsync_then_kill9_of_the_member_keeps_what_fsync_acknowledged(tmp_path, 
         head_id = c.wait_head()
         m = next(n for n in c.nodes if n.root.name != head_id)
         acked = os.urandom(3 << 20)
-        f = open(m.mnt / "open-at-crash", "wb")
-        f.write(acked)
-        f.flush()
-        os.fsync(f.fileno())
-        assert c.node(head_id).status()["cluster"]["head"] == head_id
-        m.kill9()
-        try:
-            f.close()
-        except OSError:
-            pass
+        with open_across_crash(m.mnt / "open-at-crash", "wb") as f:
+            f.write(acked)
+            f.flush()
+            os.fsync(f.fileno())
+            assert c.node(head_id).status()["cluster"]["head"] == head_id
+            m.kill9()
         m.restart()
         c.node(head_id).flush(timeout=120)
         got = c.ufs_files()
@@ -116,8 +127,7 @@ def test_fsync_after_a_forks_flush_then_kill9(tmp_path, etcd1):
         head_id = c.wait_head()
         m = next(n for n in c.nodes if n.root.name != head_id)
         acked = os.urandom((3 << 20) + 5)
-        f = open(m.mnt / "ckpt", "wb")
-        try:
+        with open_across_crash(m.mnt / "ckpt", "wb") as f:
             subprocess.run(["true"], check=True)       # the child's FLUSH: size 0
             f.write(acked)
             f.flush()
@@ -128,11 +138,6 @@ def test_fsync_after_a_forks_flush_then_kill9(tmp_path, etcd1):
             f.write(tail)                               # not acknowledged, in the page cache
             f.flush()
             m.kill9()
-        finally:
-            try:
-                f.close()
-            except OSError:
-                pass
         m.restart()
         c.node(head_id).flush(timeout=120)
         got = c.ufs_files()["ckpt"]
@@ -319,17 +324,11 @@ def test_kill9_of_a_holder_writing_in_place_withdraws_the_held_put(tmp_path, etc
         m = next(n for n in c.nodes if n.root.name != head_id)
         _fallocated(m.mnt / "big", BIG, b"first close")
         (m.mnt / "other").write_bytes(b"closed before the reopen")   # big's PUT: not the newest
-        f = open(m.mnt / "big", "r+b")
-        try:
+        with open_across_crash(m.mnt / "big", "r+b") as f:
             f.write(b"changed in place, not acknowledged")
             f.flush()
             (m.mnt / "later").write_bytes(b"closed after the reopen")
             m.kill9()
-        finally:
-            try:
-                f.close()
-            except OSError:
-                pass
         m.restart()
         head.flush(timeout=120)
         got = c.ufs_files()

@@ -24,7 +24,7 @@ import uuid
 
 import pytest
 
-from tests.acache_node import AcacheNode, fuse_mounts
+from tests.acache_node import AcacheNode, errno_of as _try, fuse_mounts, mount_tmpfs, umount_tmpfs
 from tests.s3server import S3Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.s3]
@@ -37,11 +37,9 @@ VARIANTS = {"native-passthrough": ("native", "1"), "native-no-passthrough": ("na
 def small_fs(tmp_path):
     if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
         pytest.fail("e2e tests need /dev/fuse and root")
-    d = tmp_path / "cachefs"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m", "tmpfs", str(d)], check=True)
+    d = mount_tmpfs(tmp_path / "cachefs")
     yield d
-    subprocess.run(["umount", "-l", str(d)], check=False)
+    umount_tmpfs(d)
 
 
 def _bucket(srv: S3Server, prefix: str) -> dict[str, bytes]:
@@ -54,16 +52,6 @@ def _status(n: AcacheNode) -> dict:
     from acache.node.client import Client
     with Client(n.home / "acache.sock", timeout=30) as c:
         return c.call("status")
-
-
-def _try(fn) -> int:
-    """0 if ``fn()`` worked, else its errno (an OSError is the only acceptable failure)."""
-    try:
-        fn()
-        return 0
-    except OSError as e:
-        assert e.errno, e
-        return e.errno
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
