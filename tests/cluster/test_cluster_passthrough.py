@@ -202,14 +202,15 @@ def _reflinks(d) -> bool:
 BIG = (64 << 20) + 4096       # over the size a cache without reflinks copies (CacheDir.CLONE_MAX)
 
 
+@pytest.mark.parametrize("engine", ["native", "native-nopt"])   # also without passthrough
 @pytest.mark.parametrize("where", ["head", "member"])
-def test_big_files_reopened_together_are_written_in_place(tmp_path, etcd1, where):
+def test_big_files_reopened_together_are_written_in_place(tmp_path, etcd1, where, engine):
     """fio with several jobs lays out each file (create, fallocate, close), then reopens them
     all: only the newest PUT is the journal's last entry, so the others used to be copied
     whole into new generations (one 2 GiB fio run cost the daemon seconds of CPU and halved
     its speed).  A big file reopened by its holder is written in place with its PUT held
     for its close, as on one host; what lands is what the second close left."""
-    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=600) as c:
+    with LocalCluster(tmp_path, etcd1, 2, engine=engine, flush_delay=600) as c:
         head_id = c.wait_head()
         n = c.node(head_id) if where == "head" else next(x for x in c.nodes if x.root.name != head_id)
         if _reflinks(n.home / "cache"):
@@ -242,8 +243,9 @@ def test_big_files_reopened_together_are_written_in_place(tmp_path, etcd1, where
         assert got == want
 
 
+@pytest.mark.parametrize("engine", ["native", "native-nopt"])   # also without passthrough
 @pytest.mark.parametrize("case", ["newest put", "held put"])
-def test_a_file_read_elsewhere_is_not_written_in_place(tmp_path, etcd1, case):
+def test_a_file_read_elsewhere_is_not_written_in_place(tmp_path, etcd1, case, engine):
     """A node that read a generation may keep its bytes (read-through chunks, its copy) under
     that (ino, gen): once another node has opened it for reading, the holder's reopen gets a
     new generation, and the reader's next open reads the new bytes.  Before, the holder wrote
@@ -251,7 +253,7 @@ def test_a_file_read_elsewhere_is_not_written_in_place(tmp_path, etcd1, case):
     "newest put" is the reopen of a file whose PUT is the journal's last entry, "held put" of
     a big one behind another file's."""
     size = 4 << 20 if case == "newest put" else BIG
-    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=600) as c:
+    with LocalCluster(tmp_path, etcd1, 2, engine=engine, flush_delay=600) as c:
         h = c.node(c.wait_head())
         m = next(n for n in c.nodes if n is not h)
         (m.mnt / "f").write_bytes(b"a" * size)
@@ -313,12 +315,13 @@ def test_in_place_reopens_with_readers_elsewhere_stay_byte_exact(tmp_path, etcd1
                 assert got[k] == bytes(v), k
 
 
-def test_kill9_of_a_holder_writing_in_place_withdraws_the_held_put(tmp_path, etcd1):
+@pytest.mark.parametrize("engine", ["native", "native-nopt"])   # also without passthrough
+def test_kill9_of_a_holder_writing_in_place_withdraws_the_held_put(tmp_path, etcd1, engine):
     """A big file reopened in place (its PUT held for the writer's close), changed, never
     fsynced, then kill -9 of its holder: at its restart the held PUT is withdrawn (its bytes
     were being changed; what the cache holds is shown unacknowledged, as on one host), and
     what was closed after it is persisted -- the journal is not stuck behind it."""
-    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=600) as c:
+    with LocalCluster(tmp_path, etcd1, 2, engine=engine, flush_delay=600) as c:
         head_id = c.wait_head()
         head = c.node(head_id)
         m = next(n for n in c.nodes if n.root.name != head_id)
