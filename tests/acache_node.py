@@ -139,6 +139,13 @@ class AcacheNode:
         args = ["status", "--json"] + ([path] if path else [])
         return json.loads(self.cli(*args).stdout)
 
+    def status_here(self) -> dict:
+        """The daemon's status asked over its socket from this process: no fork+exec of the
+        CLI, whose exec would close (FLUSH) every file this process has open on the mount."""
+        from acache.node.client import Client
+        with Client(self.home / "acache.sock", timeout=30) as c:
+            return c.call("status", path=None)
+
     def pid(self) -> int | None:
         """The daemon's pid (asked over its socket: no CLI start-up), None if none runs."""
         from acache.errors import AcacheError

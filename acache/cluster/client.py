@@ -628,14 +628,16 @@ class ClientVFS(RemoteNamespace):
         """After the session's last close, the kernel wrote the cache file itself: writes
         through a descriptor still open after the last FLUSH (a dup, a forked child, a
         mapping) never reached this daemon, so the cache file is compared with what the last
-        close sent; changed, it is journaled again (reopen + close).  False if (size, mtime)
+        close sent; changed, it is journaled again (a close).  False if (size, mtime)
         are unchanged: stores through a mapping into pages already dirty move neither, so the
         caller asks the head to journal it again should that close's PUT have started
         (``again``: it has read bytes that may be old)."""
         s = os.fstat(h.fd)
         if (s.st_size, s.st_mtime_ns) == w.sig:
             return False
-        self.ns("reopen", ino=h.ino, gen=h.gen)
+        # a close, not reopen + close: the PUT the last close journaled keeps its place even if
+        # started (what was journaled after that close returned must not land before it), as
+        # on one host (FileOps.release); the new PUT comes after it
         self.ns("close", ino=h.ino, gen=h.gen, size=s.st_size, mtime_ns=s.st_mtime_ns,
                 ctime_ns=s.st_ctime_ns)
         w.sig = (s.st_size, s.st_mtime_ns)

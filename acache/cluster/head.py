@@ -448,7 +448,7 @@ class HeadNamespace(Namespace):
             node.size = size
             node.mtime_ns = max(node.mtime_ns, mtime_ns)
             node.ctime_ns = max(node.ctime_ns, ctime_ns)
-            self._journal_commit(txn, node, again)
+            self._journal_commit(txn, node)
             node.dirty = False
             node.synced = -1
             node.local = ""
@@ -456,13 +456,13 @@ class HeadNamespace(Namespace):
             txn.commit()
         self.persister.wake()
 
-    def _journal_commit(self, txn, node: Inode, again: bool) -> None:
+    def _journal_commit(self, txn, node: Inode) -> None:
         """Journal ``node``'s commit in ``txn``: a PUT of its generation from where its bytes
-        are (its holder; a worker, for a cacheless writer).  ``again``: the file was journaled
-        at an earlier close; what that journaled and has not started is cancelled first
-        (journal.on_reopen), so one PUT stays."""
-        if again:
-            journal.on_reopen(self.meta, txn, self.persister, node)
+        are (its holder; a worker, for a cacheless writer).  A PUT an earlier close journaled
+        and the persister has started keeps its place (journal.journal_put cancels only those
+        not started that this one supersedes): whatever was journaled after that close returned
+        (a step's marker) must land after what that close acknowledged, and a new PUT comes
+        after it."""
         if node.nlink > 0:
             e = journal.journal_put(self.meta, txn, self.persister, node)
             e.node = node.node
@@ -488,7 +488,7 @@ class HeadNamespace(Namespace):
             again = (again and node is not None and self._writes(node, gen, holder)
                      and node.nlink > 0 and not node.dirty and not self._put_unstarted(node))
             if again and node is not None:
-                self._journal_commit(txn, node, again=True)
+                self._journal_commit(txn, node)
                 txn.save(node)
             txn.commit(lazy=True)        # a RELEASE: it may share the next call's etcd write
             del self.writers[ino]

@@ -13,6 +13,7 @@ import hashlib
 import mmap
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -447,3 +448,63 @@ def test_a_small_file_costs_the_head_these_calls_only(tmp_path, etcd1, where):
         # one getattr: of the new directory, at the first path walk into it
         assert d.get("getattr", 0) <= 1 and not d.get("getxattr"), d
         assert sum(d.values()) <= 5 * files + 1, d   # lookup and began at most once a file
+
+
+
+@pytest.mark.parametrize("where", ["head", "member"])
+def test_a_session_journaled_again_at_its_end_keeps_its_place_in_the_order(tmp_path, etcd1, where):
+    """A file closed with a mapping left (so its RELEASE comes later), a marker written after
+    that close returned, and then the mapping goes while the file's PUT is staged, waiting
+    behind an entry that cannot land yet: the head journals the file again at the session's
+    end (passthrough: it cannot tell whether the mapping wrote), but the PUT the close
+    journaled must keep its place.  Were it cancelled, the file's only PUT would come after the
+    marker, and the under-storage would show the marker without the file (the checkpoint
+    step's shards closing together across hosts, test_cluster_local, met this by chance).
+    What holds the journal back: a big file reopened in place by its holder, whose PUT waits
+    for that writer's close (test_big_files_reopened_together_are_written_in_place)."""
+    with LocalCluster(tmp_path, etcd1, 2, engine="native", flush_delay=1.0) as c:
+        head_id = c.wait_head()
+        head = next(x for x in c.nodes if x.root.name == head_id)
+        n = next(x for x in c.nodes if (x.root.name == head_id) == (where == "head"))
+        big = n.mnt / "big"
+        with open(big, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, 80 << 20)     # more than a copy may cost
+        (n.mnt / "other").write_bytes(b"o")    # so its PUT is not the journal's newest entry
+        seen_bad: list[str] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                names = set(os.listdir(c.ufs_dir))
+                if "marker" in names and "shard" not in names:
+                    seen_bad.append("marker")
+        t = threading.Thread(target=watch)
+        t.start()
+        data = os.urandom(1 << 20)
+        try:
+            with open(big, "r+b") as held:          # its PUT is held until this close
+                assert os.stat(big).st_ino and held.write(b"x") == 1
+                fd = os.open(n.mnt / "shard", os.O_RDWR | os.O_CREAT, 0o644)
+                os.write(fd, data)
+                m = mmap.mmap(fd, len(data), prot=mmap.PROT_READ)
+                try:
+                    os.close(fd)   # FLUSH: the shard's PUT is journaled; the mapping keeps it open
+                    (n.mnt / "marker").write_bytes(b"done")
+                    deadline = time.monotonic() + 60
+                    while (st := head.status_here())["in_flight"] < 2:   # shard's, marker's: staged
+                        assert time.monotonic() < deadline, \
+                            {k: st.get(k) for k in ("queue", "in_flight", "last_error")}
+                        time.sleep(0.05)
+                    assert not (c.ufs_dir / "shard").exists(), "nothing held the journal back"
+                finally:
+                    m.close()      # RELEASE: journaled again; its staged PUT keeps its place
+            n.flush()
+        finally:
+            stop.set()
+            t.join()
+        assert writes_seen(n) == 0
+        assert not seen_bad, "the marker landed before the shard"
+        files = c.ufs_files()
+        assert files["shard"] == data and files["marker"] == b"done"
+        assert files["big"][:1] == b"x" and len(files["big"]) == 80 << 20
+        assert files["other"] == b"o"
