@@ -524,3 +524,69 @@ def test_closes_together_on_two_nodes_overlap_and_markers_still_follow(tmp_path,
         used = b.status()["cluster"].get("began_used") or {}
         assert used.get(member.root.name, 0) > 0, \
             f"no close of the member was numbered by its notice: {used}"
+
+
+@pytest.mark.parametrize("where", ["head", "member"])
+def test_a_create_is_answered_before_its_etcd_write_and_its_close_waits_for_it(tmp_path, where):
+    """A file's create acknowledges no bytes, so the head answers it before its batch lands in
+    etcd (the batch waits a moment for the close's, to share one etcd write); the close does
+    wait, for its own batch and the create's.  With etcd stopped the create returns and the
+    close does not, until etcd is back; then both the file and its bytes are there (on the
+    other node, in the under-storage).  An O_EXCL create waits (MetaStore.reply_early)."""
+    import signal
+
+    from tests.etcd_server import EtcdCluster
+    etcd = EtcdCluster(tmp_path / "etcd", 1)
+    etcd.start()
+    try:
+        with LocalCluster(tmp_path, etcd, 2, flush_delay=0.0) as c:
+            head_id = c.wait_head()
+            n = next(x for x in c.nodes if (x.root.name == head_id) == (where == "head"))
+            other = next(x for x in c.nodes if x is not n)
+            (n.mnt / "warm").write_bytes(b"w")     # the first create begins a block of inodes
+            pid = etcd.members[0].proc.pid
+            data = os.urandom(5000)
+            fds: list[int] = []
+            closed = threading.Event()
+
+            def close(fd: int) -> None:
+                os.close(fd)
+                closed.set()
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                t = threading.Thread(target=lambda: fds.append(
+                    os.open(n.mnt / "f", os.O_CREAT | os.O_WRONLY, 0o644)))
+                t.start()
+                t.join(20)
+                assert fds, "the create waited for etcd"
+                assert os.write(fds[0], data) == len(data)
+                tc = threading.Thread(target=close, args=(fds[0],))
+                tc.start()
+                assert not closed.wait(1.0), "a close returned before its etcd write landed"
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            tc.join(60)
+            assert closed.is_set()
+            assert (other.mnt / "f").read_bytes() == data
+            # O_EXCL: its caller relies on having made the name (a lock file, mkstemp), so
+            # that create is answered only once it landed
+            made = threading.Event()
+
+            def create_excl() -> None:
+                fd = os.open(n.mnt / "lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                made.set()
+                os.close(fd)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                te = threading.Thread(target=create_excl)
+                te.start()
+                assert not made.wait(1.0), "an O_EXCL create returned before it landed"
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            te.join(60)
+            assert made.is_set()
+            n.flush()
+            files = c.ufs_files()
+            assert files["f"] == data and files["lock"] == b""
+    finally:
+        etcd.stop()

@@ -385,3 +385,79 @@ def test_anothers_wait_sends_a_lazy_batch_at_once(meta, kv):
     th.start()
     th.join(20)
     assert done.is_set(), "another thread's wait left the lazy batch lingering"
+
+
+def _create(meta: MetaStore, name: bytes) -> tuple[int, bool]:
+    """A file made as a cluster head makes one (HeadNamespace.create_file): answered early
+    unless it begins a block of inode numbers.  (ino, answered early)."""
+    meta.mark()
+    with meta.lock:
+        txn = meta.txn()
+        node = meta.new_inode(txn, mode=0o100644, parent=ROOT_INO, name=name)
+        txn.link(ROOT_INO, name, node.ino)
+        early = meta.reply_early()
+        txn.commit(lazy=early)
+    meta.wait_visible(0)          # at once if early
+    return node.ino, early
+
+
+def test_creates_answered_early_take_numbers_from_a_block_whose_end_landed(kv):
+    """A head answers a create before its batch lands (MetaStore.reply_early) except the
+    create that begins a block of inode numbers, whose reply waits for the block's end to
+    land.  So when the head dies with early creates still queued, a new head over the KV
+    gives none of their numbers again (a writer still holding one would share a cache file
+    with the new file)."""
+    meta = MetaStore(kv)
+    meta.ino_block = 4
+    try:
+        first, early = _create(meta, b"f0")
+        assert not early and K.from_u64(kv.get(K.counter_key("next_ino"))) == first + 3
+        kv.hold = True                          # the next KV write stays in flight
+        t = threading.Thread(target=_create, args=(meta, b"f1"))
+        t.start()
+        assert kv.entered.wait(10)
+        t.join(10)
+        assert not t.is_alive(), "an early create waited for its batch"
+        lost = [first + 1] + [_create(meta, b"f%d" % i)[0] for i in (2, 3)]
+        assert lost == [first + 1, first + 2, first + 3]
+        # the head dies now: what landed is what a new head reads
+        after = MemKV()
+        for k, v in kv.scan(b""):
+            after.write({k: v})
+        assert K.counter_key("next_ino") in dict(after.scan(b""))
+        new = MetaStore(after)
+        try:
+            with new.lock:
+                txn = new.txn()
+                n = new.new_inode(txn, mode=0o100644, parent=ROOT_INO, name=b"g")
+                txn.commit()
+            assert n.ino > max(lost), (n.ino, lost)
+            assert new.get(first + 1) is None
+        finally:
+            new.close()
+        # a create past the block's end begins the next block: its reply waits again
+        kv.release.set()
+        ino, early = _create(meta, b"f4")
+        assert ino == first + 4 and not early
+    finally:
+        kv.release.set()
+        meta.close()
+
+
+def test_a_block_whose_end_failed_to_land_is_reserved_again(kv):
+    """The create that begins a block fails (its KV write failed: it is undone, EIO): the
+    block is not one, and the next create begins it again, waiting for its end to land --
+    else the creates after it would be answered early with numbers no landed block covers."""
+    meta = MetaStore(kv)
+    meta.ino_block = 4
+    try:
+        kv.fail = True
+        with pytest.raises(MetaError):
+            _create(meta, b"lost")
+        kv.fail = False
+        ino, early = _create(meta, b"again")
+        assert not early
+        assert K.from_u64(kv.get(K.counter_key("next_ino"))) == ino + 3
+        assert [_create(meta, b"f%d" % i)[1] for i in range(3)] == [True] * 3
+    finally:
+        meta.close()
