@@ -390,11 +390,7 @@ class HeadNamespace(Namespace):
             txn.link(parent, name, node.ino)
             self._touch_dir(txn, p)
             S.save_writer(txn, node.ino, [holder, 1], node.node if place is not None else None)
-            # answered before its batch lands, which lingers for the close's to share one etcd
-            # write (MetaStore.reply_early: a create acknowledges no bytes) -- unless O_EXCL,
-            # whose caller relies on being the one that made the name (a lock file, mkstemp):
-            # that create must not be lost with a dying head after it was answered
-            txn.commit(lazy=not flags & os.O_EXCL and self.meta.reply_early())
+            txn.commit()
             self._made_unread(node.ino, node.gen)
             self.writers[node.ino] = [holder, 1]
             if place is not None:
@@ -442,9 +438,7 @@ class HeadNamespace(Namespace):
             if w is not None and w[0] == holder:
                 w[1] = 0                 # closed there; the session ends with its RELEASE
             node = self.meta.get(ino)
-            if node is None:
-                raise self._lost(ino)
-            if not self._writes(node, gen, holder):
+            if node is None or not self._writes(node, gen, holder):
                 return
             if again and self._put_unstarted(node):
                 return
@@ -461,15 +455,6 @@ class HeadNamespace(Namespace):
             txn.save(node)
             txn.commit()
         self.persister.wake()
-
-    def _lost(self, ino: int) -> FsError:
-        """A writer's close or fsync of an inode the namespace does not have: its create was
-        answered before it landed and then lost (MetaStore.reply_early), or the file was
-        removed after the writer's session was dropped.  Its bytes go nowhere: an error, not
-        a close that looks done."""
-        log.error("close or fsync of inode %d, which the namespace does not have (its create "
-                  "was lost, or the file went away after its writer was fenced off): EIO", ino)
-        return FsError(errno.EIO)
 
     def _journal_commit(self, txn, node: Inode) -> None:
         """Journal ``node``'s commit in ``txn``: a PUT of its generation from where its bytes
@@ -536,9 +521,7 @@ class HeadNamespace(Namespace):
         """fsync on the holder: its bytes are durable there; the size is recorded durably."""
         with self.lock:
             node = self.meta.get(ino)
-            if node is None:
-                raise self._lost(ino)
-            if not self._writes(node, gen, holder):
+            if node is None or not self._writes(node, gen, holder):
                 self.meta.sync()
                 return
             node.size = size

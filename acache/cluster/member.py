@@ -652,7 +652,6 @@ class _Head:
         self.member = member
         self.kv = EtcdKV(member.client, member.client.prefix + b"ns/")
         self.meta = MetaStore(self.kv)
-        self.meta.ino_block = MetaStore.INO_BLOCK    # reply_early: creates answered early
         # the bytes of a PUT are on its holder: pulled or staged from there (Holders)
         self.persister = Persister(self.meta, member.cache, member.under,
                                    flush_delay=s.flush_delay, concurrency=s.upload_concurrency,

@@ -699,12 +699,6 @@ class MetaStore:
         self._succ: dict[int, int] = {}
         raw = kv.get(K.counter_key("next_ino"))
         self._next_ino = K.from_u64(raw) if raw else ROOT_INO
-        # inode numbers are handed out from blocks whose end the KV records first (the stored
-        # counter: the highest number any holder of this store may have been given); 1 on one
-        # host, where the counter is the last number given (VFS.recover tells the cache files
-        # of numbers the KV lost by it).  A cluster head sets INO_BLOCK: see reply_early()
-        self.ino_block = 1
-        self._ino_top = self._next_ino
         raw = kv.get(K.counter_key("next_seq"))
         self._next_seq = K.from_u64(raw) if raw else 0
         self._serial_top = self._next_seq
@@ -908,16 +902,11 @@ class MetaStore:
         return self._next_ino
 
     # -- allocation --------------------------------------------------------------
-    INO_BLOCK = 4096
-
     def new_inode(self, txn: Txn, **kw) -> Inode:
         self._next_ino += 1
-        if self._next_ino > self._ino_top:    # a new block: its end goes into this txn
-            self._ino_top = self._next_ino + self.ino_block - 1
-            txn.puts[K.counter_key("next_ino")] = K.u64(self._ino_top)
-            self._mine.reserved = True        # its reply must wait for it (reply_early)
         ino = Inode(ino=self._next_ino, **kw)
         self._inodes[ino.ino] = ino
+        txn.puts[K.counter_key("next_ino")] = K.u64(self._next_ino)
         txn.save(ino)
         return ino
 
@@ -937,22 +926,7 @@ class MetaStore:
         """Where the KV stands now, before an operation (on this thread) that will be
         acknowledged: see wait_visible."""
         self._mine.first = self._mine.last = self._mine.seq = 0
-        self._mine.early = self._mine.reserved = False
         return self.group.settled if self.group is not None else 0
-
-    def reply_early(self) -> bool:
-        """The operation on this thread may be answered before what it changed has landed
-        (wait_visible returns at once): a cluster head's create of a new file without
-        O_EXCL, which acknowledges no bytes -- the file's close, fsync or rename does, and each waits for
-        every batch queued before its own, the create's among them.  If the create's batch
-        is lost (its write failed, or the head died first), the writer's close of it fails
-        (EIO) and its inode number is never given again: it comes from a block whose end
-        landed before (``ino_block``), so this is refused for the create that begins a
-        block.  Returns whether it applies."""
-        if getattr(self._mine, "reserved", False) or self.group is None:
-            return False
-        self._mine.early = True
-        return True
 
     def journaled(self) -> int:
         """The newest entry this thread journaled since its ``mark()`` (0: none)."""
@@ -965,7 +939,7 @@ class MetaStore:
         lazy batches at the end of the queue aside (GroupCommit.submit).  Nothing to wait for
         without GroupCommit (each commit wrote through)."""
         g = self.group
-        if g is None or getattr(self._mine, "early", False):
+        if g is None:
             return
         first, last = getattr(self._mine, "first", 0), getattr(self._mine, "last", 0)
         if last:            # a later failure cannot touch it: its batches were queued first
@@ -1082,8 +1056,6 @@ class MetaStore:
                     self._inodes[ino] = cur
             self._children.clear()
             self._children.update(children)
-            raw = self.kv.get(K.counter_key("next_ino"))     # a block whose end was lost is
-            self._ino_top = min(self._ino_top, K.from_u64(raw) if raw else ROOT_INO)  # not one
             journal: dict[int, Entry] = {}
             for entry in entries:       # key order is seq order
                 had = self._journal.get(entry.seq) or old_entries.get(entry.seq)
