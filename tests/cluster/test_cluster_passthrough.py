@@ -447,7 +447,9 @@ def test_a_small_file_costs_the_head_these_calls_only(tmp_path, etcd1, where):
         d.pop("status", None)                # this test's own
         # one getattr: of the new directory, at the first path walk into it
         assert d.get("getattr", 0) <= 1 and not d.get("getxattr"), d
-        assert sum(d.values()) <= 5 * files + 1, d   # lookup and began at most once a file
+        # lookup and began at most once a file; the directory's lookup and getattr at the
+        # first walk into it (its entry may have expired while the status above ran)
+        assert sum(d.values()) <= 5 * files + 2, d
 
 
 
