@@ -452,7 +452,6 @@ def test_a_small_file_costs_the_head_these_calls_only(tmp_path, etcd1, where):
         assert sum(d.values()) <= 5 * files + 2, d
 
 
-
 @pytest.mark.parametrize("where", ["head", "member"])
 def test_a_session_journaled_again_at_its_end_keeps_its_place_in_the_order(tmp_path, etcd1, where):
     """A file closed with a mapping left (so its RELEASE comes later), a marker written after
