@@ -23,6 +23,22 @@ def under(path: str, rel: str) -> bool:
     return not rel or path == rel or path.startswith(rel + "/")
 
 
+def _held_before(meta, want: dict) -> str:
+    """Why the wait may not end on its own (lock held): a PUT held for its writer's close
+    (journal.hold_put: a big file reopened in place) at or before what the barrier waits
+    for; nothing journaled after it can land before it, so it waits for that close."""
+    if not want:
+        return ""
+    last = max(want)
+    for e in meta.journal():
+        if e.seq > last:
+            break
+        if e.hold:
+            return (f"; they are behind the PUT of {e.path}, which waits for its writer to close "
+                    "it (reopened and written in place while its upload had not started)")
+    return ""
+
+
 def wait(meta, persister, cache, writers: Collection[int], rel: str, timeout: float | None,
          progress, t0: float) -> dict:
     p = persister
@@ -83,6 +99,7 @@ def wait(meta, persister, cache, writers: Collection[int], rel: str, timeout: fl
                 if waiting_open:
                     what += f" and {len(waiting_open)} files still open for writing"
                 raise FlushError(f"timed out after {timeout:g}s: {what} not yet persisted"
+                                 + _held_before(meta, want)
                                  + (f"; last error: {p.last_error}" if p.last_error else ""))
             p.cond.wait(0.25)
         # woken by every entry the persister applies: look again at most every

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from acache.data import barrier
 from acache.data.cache import CacheDir
 from acache.data.persister import Persister
 from acache.data.under.mem import MemState, MemStore
-from acache.errors import FsError, PermanentError
+from acache.errors import FlushError, FsError, PermanentError
 from acache.fs.types import ROOT_INO, Ctx
 from acache.fs.vfs import VFS
 from acache.meta.kv_mem import MemKV
@@ -346,6 +347,10 @@ def test_reopen_of_big_pending_file_is_held_in_place_not_copied(tmp_path):
         # that: it committed nothing, the held shard keeps the marker waiting
         assert passes.wait(10), "the persister never ran a pass after staging the marker"
         assert [c for c in r.store.calls if c[0] == "commit"] == []   # the marker waits
+        # a barrier on the marker alone cannot end before that close: its timeout says why
+        with pytest.raises(FlushError, match="behind the PUT of shard, which waits for its "
+                                             "writer to close it"):
+            barrier.wait(r.meta, r.p, r.cache, (), "marker", 0.2, None, time.monotonic())
         r.vfs.write(fh, 1000, b"B")
         r.vfs.flush(fh)
         r.vfs.release(fh)
