@@ -336,6 +336,11 @@ def node_table(st: dict) -> Table:
         t.add_row("metadata reserve", "[yellow]in use: the cache filesystem was full[/]")
     t.add_row("dirty", f"{_human(st['dirty_bytes'])} in {st['dirty_files']} files")
     t.add_row("persist queue", f"{st['queue']} entries, {_human(st['queue_bytes'])}, {st['in_flight']} in flight")
+    w = st.get("waits_for_writer")
+    if w and w.get("behind"):
+        t.add_row("persisting waits", f"[yellow]for {w['path']}'s writer to close it[/] (reopened and "
+                  f"written in place before its upload started; the {w['behind']} entries after it "
+                  "land once it is closed)")
     t.add_row("rate", f"{_human(st['rate'])}/s; persisted {st['persisted_files']} files, "
               f"{_human(st['persisted_bytes'])} since start")
     setting = st.get("upload_limit_setting", "off")

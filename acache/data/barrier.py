@@ -23,20 +23,27 @@ def under(path: str, rel: str) -> bool:
     return not rel or path == rel or path.startswith(rel + "/")
 
 
-def _held_before(meta, want: dict) -> str:
-    """Why the wait may not end on its own (lock held): a PUT held for its writer's close
-    (journal.hold_put: a big file reopened in place) at or before what the barrier waits
-    for; nothing journaled after it can land before it, so it waits for that close."""
-    if not want:
-        return ""
-    last = max(want)
-    for e in meta.journal():
-        if e.seq > last:
+def held_for_writer(meta, upto: int | None = None) -> dict | None:
+    """The oldest PUT held for its writer's close (journal.hold_put: a big file reopened and
+    written in place before its upload started), at or before seq ``upto``, and how many
+    entries are journaled after it: none of them lands before that close (lock held; O(the
+    journal), for status and a barrier's timeout).  None: no such PUT."""
+    journal = meta.journal()
+    for i, e in enumerate(journal):
+        if upto is not None and e.seq > upto:
             break
         if e.hold:
-            return (f"; they are behind the PUT of {e.path}, which waits for its writer to close "
-                    "it (reopened and written in place while its upload had not started)")
-    return ""
+            return {"path": e.path, "seq": e.seq, "behind": len(journal) - i - 1}
+    return None
+
+
+def _held_before(meta, want: dict) -> str:
+    """Why the wait may not end on its own: a held PUT before what it waits for."""
+    h = held_for_writer(meta, max(want)) if want else None
+    if h is None:
+        return ""
+    return (f"; they are behind the PUT of {h['path']}, which waits for its writer to close it "
+            "(reopened and written in place while its upload had not started)")
 
 
 def wait(meta, persister, cache, writers: Collection[int], rel: str, timeout: float | None,

@@ -118,7 +118,7 @@ class Single:
                 "queue": len(journal), "queue_bytes": sum(e.size for e in journal),
                 "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
                 "persisted_files": p.files_done, "last_error": p.last_error,
-                "failed": len(p.failed),
+                "failed": len(p.failed), "waits_for_writer": barrier.held_for_writer(meta),
                 "failed_entries": [   # permanent failures hold back what comes after them
                     {"seq": s, "op": e.op, "path": e.path, "dst": e.dst, "error": msg}
                     for s, msg in sorted(p.failed.items())[:10]
@@ -211,6 +211,7 @@ class Clustered:
         for k in ("queue", "queue_bytes", "in_flight", "rate", "persisted_bytes",
                   "persisted_files", "last_error", "failed"):
             out[k] = h.get(k, 0 if k != "last_error" else h.get("error", ""))
+        out["waits_for_writer"] = h.get("waits_for_writer")
         out.update(dirty_files=h.get("queue", 0), failed_entries=[], persisting_files=0,
                    persisting_bytes=0, oldest_age=0, upload_errors={})
 

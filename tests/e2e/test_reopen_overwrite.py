@@ -116,3 +116,44 @@ def test_mapping_written_after_close_and_landing_lands(make_node):
     assert p.read_bytes() == b"B" * 8192
     n.flush()
     assert n.ufs_files() == {"m.bin": b"B" * 8192}, "the under-storage kept what the close saw"
+
+
+def test_a_big_file_kept_open_in_place_says_what_persisting_waits_for(make_node):
+    """A big closed file (over the cache's copy limit, no reflinks on ext4) reopened r+
+    before its upload started is written in place, its PUT held for that writer's close
+    (journal.hold_put): what was journaled after it waits too.  Status names the file, and
+    a barrier on a later file that times out says why; the close lets everything land."""
+    n = make_node(flush_delay=30)
+    big = n.mnt / "big.npy"
+    with open(big, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 80 << 20)
+        f.write(b"v1")
+    (n.mnt / "ckpt").write_bytes(b"step 1")
+    g = open(big, "r+b")       # as np.load(mmap_mode="r+") or an appender keeps it
+    try:
+        g.write(b"v2")
+        g.flush()
+        # over the socket from here: the CLI's fork+exec would close (FLUSH) g
+        w = n.status_here()["waits_for_writer"]
+        assert w is not None and (w["path"], w["behind"]) == ("big.npy", 1), w
+        from rich.console import Console
+
+        from acache.cli import node_table
+        from acache.errors import AcacheError
+        from acache.node.client import Client
+        con = Console(width=400, record=True)
+        con.print(node_table(n.status_here()))
+        assert "for big.npy's writer to close it" in con.export_text()
+        with Client(n.home / "acache.sock", timeout=30) as c:
+            try:
+                c.flush(str(n.mnt / "ckpt"), 0.5, None)
+            except AcacheError as e:
+                assert "behind the PUT of big.npy, which waits for its writer" in str(e), e
+            else:
+                raise AssertionError("the barrier on ckpt returned while big.npy was held")
+    finally:
+        g.close()
+    n.flush()
+    got = n.ufs_files()
+    assert got["ckpt"] == b"step 1" and got["big.npy"][:2] == b"v2"
+    assert n.status_here()["waits_for_writer"] is None
