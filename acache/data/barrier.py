@@ -42,8 +42,10 @@ def _held_before(meta, want: dict) -> str:
     h = held_for_writer(meta, max(want)) if want else None
     if h is None:
         return ""
-    return (f"; they are behind the PUT of {h['path']}, which waits for its writer to close it "
-            "(reopened and written in place while its upload had not started)")
+    why = "(reopened and written in place while its upload had not started)"
+    if h["seq"] in want:
+        return f"; the PUT of {h['path']} waits for its writer to close it {why}"
+    return f"; they are behind the PUT of {h['path']}, which waits for its writer to close it {why}"
 
 
 def wait(meta, persister, cache, writers: Collection[int], rel: str, timeout: float | None,

@@ -351,6 +351,8 @@ def test_reopen_of_big_pending_file_is_held_in_place_not_copied(tmp_path):
         with pytest.raises(FlushError, match="behind the PUT of shard, which waits for its "
                                              "writer to close it"):
             barrier.wait(r.meta, r.p, r.cache, (), "marker", 0.2, None, time.monotonic())
+        with pytest.raises(FlushError, match="; the PUT of shard waits for its writer to close it"):
+            barrier.wait(r.meta, r.p, r.cache, (), "", 0.2, None, time.monotonic())
         r.vfs.write(fh, 1000, b"B")
         r.vfs.flush(fh)
         r.vfs.release(fh)
