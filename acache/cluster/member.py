@@ -1036,7 +1036,7 @@ class _Head:
                     "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
                     "persisted_files": p.files_done, "last_error": p.last_error,
                     "failed": len(p.failed), "blocked_by": blocked,
-                    "waits_for_writer": barrier.held_for_writer(meta),
+                    "waits_for_writer": barrier.held_for_writer(journal),
                     "blocked_since": self._blocked[1] if blocked else 0,
                     "blocked_files": len(journal) if blocked else 0,
                     "blocked_bytes": sum(e.size for e in journal) if blocked else 0,

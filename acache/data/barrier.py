@@ -23,12 +23,11 @@ def under(path: str, rel: str) -> bool:
     return not rel or path == rel or path.startswith(rel + "/")
 
 
-def held_for_writer(meta, upto: int | None = None) -> dict | None:
-    """The oldest PUT held for its writer's close (journal.hold_put: a big file reopened and
-    written in place before its upload started), at or before seq ``upto``, and how many
-    entries are journaled after it: none of them lands before that close (lock held; O(the
-    journal), for status and a barrier's timeout).  None: no such PUT."""
-    journal = meta.journal()
+def held_for_writer(journal: list, upto: int | None = None) -> dict | None:
+    """The oldest PUT in ``journal`` (MetaStore.journal(), which status has at hand) held for
+    its writer's close (journal.hold_put: a big file reopened and written in place before its
+    upload started), at or before seq ``upto``, and how many entries are journaled after it:
+    none of them lands before that close.  None: no such PUT."""
     for i, e in enumerate(journal):
         if upto is not None and e.seq > upto:
             break
@@ -39,7 +38,7 @@ def held_for_writer(meta, upto: int | None = None) -> dict | None:
 
 def _held_before(meta, want: dict) -> str:
     """Why the wait may not end on its own: a held PUT before what it waits for."""
-    h = held_for_writer(meta, max(want)) if want else None
+    h = held_for_writer(meta.journal(), max(want)) if want else None
     if h is None:
         return ""
     why = "(reopened and written in place while its upload had not started)"

@@ -118,7 +118,7 @@ class Single:
                 "queue": len(journal), "queue_bytes": sum(e.size for e in journal),
                 "in_flight": len(p.jobs), "rate": p.rate(), "persisted_bytes": p.bytes_done,
                 "persisted_files": p.files_done, "last_error": p.last_error,
-                "failed": len(p.failed), "waits_for_writer": barrier.held_for_writer(meta),
+                "failed": len(p.failed), "waits_for_writer": barrier.held_for_writer(journal),
                 "failed_entries": [   # permanent failures hold back what comes after them
                     {"seq": s, "op": e.op, "path": e.path, "dst": e.dst, "error": msg}
                     for s, msg in sorted(p.failed.items())[:10]
