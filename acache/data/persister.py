@@ -35,6 +35,9 @@ from acache.meta.store import Entry, MetaStore
 log = logging.getLogger("acache.persister")
 RATE_WINDOW = 10.0         # s of history rate() keeps
 WINDOW = 256             # how far past the head staging may run
+# (GroupCommit) how long the record of an applied entry may wait for another write to share
+# its KV write: nobody waits for it; a restart within that time applies the entry again
+RECORD_LINGER = 0.05
 
 class Files(Protocol):
     """What the persister asks of the layer that owns the cache files it uploads (one host's
@@ -470,7 +473,7 @@ class Persister:
         e.token = self.under.new_token(e.path)
         e.attrs = self._attrs_of(e.ino)   # later changes: an ATTRS entry (journal.on_attrs)
         txn.update_entry(e)
-        txn.commit()
+        txn.commit(lazy=True)         # (GroupCommit) it may share the next operation's KV write
         job = Job(e, ticket=txn.ticket)
         self._add_job(job)
         if self.holders is None and self.under.local_stage(e.size):
@@ -501,8 +504,9 @@ class Persister:
 
         staged, error = None, None
         try:
-            # no byte under a stage whose record has not landed (a KV written behind)
-            self.meta.wait_ticket(job.ticket)
+            # no byte under a stage whose record has not landed (a KV written behind); a
+            # patient wait: that record waits a little for a namespace call's KV write
+            self.meta.wait_ticket(job.ticket, patient=True)
             if self.holders is not None and e.op == "put":
                 staged = self.holders.stage_elsewhere(e, progress, on_token)
                 if staged is None:
@@ -781,7 +785,10 @@ class Persister:
                         (n.upath == e.path or n.upath.startswith(e.path + "/")):
                     n.upath = e.dst + n.upath[len(e.path):]
                     txn.save(n)
-        txn.commit()
+        # lazy (GroupCommit): nobody waits for it (a barrier looks at the journal in memory),
+        # so it may share the next operation's KV write; until it lands, a restart applies
+        # the entry again (the cache file is kept until then: on_freed runs after it lands)
+        txn.commit(lazy=True, linger=RECORD_LINGER)
 
     def _attrs_of(self, ino: int) -> list:
         """The attributes an entry of ``ino`` lands with (under the lock)."""

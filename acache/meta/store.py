@@ -32,6 +32,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import os
 import stat as st
 import threading
@@ -297,8 +298,8 @@ class Txn:
         self.puts.pop(key, None)
         self.deletes.append(key)
 
-    def commit(self, sync: bool = False, lazy: bool = False) -> None:
-        """Write the batch (GroupCommit: queue it).  ``lazy``: see GroupCommit.submit."""
+    def commit(self, sync: bool = False, lazy: bool = False, linger: float = 0.0) -> None:
+        """Write the batch (GroupCommit: queue it).  ``lazy``, ``linger``: GroupCommit.submit."""
         if self._open:
             self._open = False
             self.store._ended += 1
@@ -306,7 +307,7 @@ class Txn:
             if ino.ino in self.store._inodes:
                 self.puts[K.inode_key(ino.ino)] = ino.pack()
         if self.store.group is not None:
-            self._commit_grouped(sync, lazy and not sync)
+            self._commit_grouped(sync, lazy and not sync, linger)
             return
         if self.puts or self.deletes or self.store.stale:
             try:
@@ -326,7 +327,7 @@ class Txn:
         for freed_ino, gen in freed:
             self.store.on_freed(freed_ino, gen)
 
-    def _commit_grouped(self, sync: bool, lazy: bool = False) -> None:
+    def _commit_grouped(self, sync: bool, lazy: bool = False, linger: float = 0.0) -> None:
         """Queue the batch (GroupCommit); ``sync``: and wait until it landed (under the lock:
         an fsync's record, a recovery's).  ``self.ticket``: what an acknowledgement waits for."""
         s = self.store
@@ -343,7 +344,7 @@ class Txn:
         try:
             if s.stale:
                 raise MetaError("an earlier metadata write could not be undone yet")
-            self.ticket = g.submit(puts, deletes, dropped, after, lazy)
+            self.ticket = g.submit(puts, deletes, dropped, after, lazy, linger)
             if not getattr(s._mine, "first", 0):
                 s._mine.first = self.ticket
             s._mine.last = self.ticket
@@ -369,9 +370,6 @@ class _Batch:
         self.taken = False        # the writer took it (too late to add to it)
         self.linger = 0.0         # a lazy batch waits for company until then (submit)
         self.owner = 0            # the thread that submitted a lazy batch
-
-    def due(self) -> float:
-        return max(self.held, self.linger)
 
 
 class _Hold:
@@ -437,12 +435,13 @@ class GroupCommit:
 
     # -- the store's side (under its lock) ----------------------------------------------
     def submit(self, puts: dict, deletes: list, dropped: list, after: list,
-               lazy: bool = False) -> int:
+               lazy: bool = False, linger: float = 0.0) -> int:
         """Queue a batch; its ticket.  ``lazy``: nobody waits for it but its submitter, who
         does not hurry (a cluster head's end of a write or read session, which a RELEASE asked
-        for after close(2) had returned): it waits up to LINGER for the next batch, so that the
-        two share one KV write (on etcd, a file's create and the previous file's release:
-        two fsynced round trips instead of three per file).  The next batch that is not lazy,
+        for after close(2) had returned; the persister's record of a stage begun and of an
+        entry applied): it waits up to LINGER for the next batch, or goes with one written
+        now, so that they share one KV write (on etcd, a file's create with the previous
+        file's release and landing: two fsynced round trips per file instead of four).  The next batch that is not lazy,
         or anyone else's wait for it, sends it at once; an operation that changed nothing does
         not wait for lazy batches behind the newest other one (``firm``: they end sessions, which
         no reply reports)."""
@@ -454,7 +453,8 @@ class GroupCommit:
             self.issued += 1
             b = _Batch(self.issued, puts, deletes, dropped, after)
             if lazy:
-                b.linger, b.owner = time.monotonic() + self.LINGER, threading.get_ident()
+                b.linger = time.monotonic() + (linger or self.LINGER)
+                b.owner = threading.get_ident()
             else:
                 self.firm = self.issued
                 self._unlinger(self.issued)
@@ -536,15 +536,17 @@ class GroupCommit:
             self.cv.notify_all()
 
     # -- anyone's side ---------------------------------------------------------------------
-    def wait(self, ticket: int, since: int = -1) -> None:
+    def wait(self, ticket: int, since: int = -1, patient: bool = False) -> None:
         """Until ``ticket`` has settled; MetaError if a ticket in (``since``, ``ticket``] failed
-        (``since`` defaults to ``ticket - 1``: just that one)."""
+        (``since`` defaults to ``ticket - 1``: just that one).  Lazy batches up to ``ticket``
+        are sent at once, unless ``patient`` (a background waiter, the persister's stager:
+        they keep waiting up to LINGER for company) or they are this thread's own."""
         if ticket <= 0:
             return
         self._unhold_self()
         lo = ticket - 1 if since < 0 else since
         with self.cv:
-            if self.settled < ticket:
+            if self.settled < ticket and not patient:
                 self._unlinger(ticket, but=threading.get_ident())
             while self.settled < ticket:
                 self.cv.wait()
@@ -584,8 +586,9 @@ class GroupCommit:
         now = time.monotonic()
         while self.queue:
             b = self.queue[0]
-            if b.due() > now and not self._stop:
-                break                        # held back (hold), and everything behind it
+            if b.held > now and not self._stop:
+                break          # held back (hold), and everything behind it; a lingering lazy
+                               # batch goes with the write _next_due said is due
             n = len(b.puts) + len(b.deletes)
             m = sum(len(k) + len(v) for k, v in b.puts.items()) + sum(map(len, b.deletes))
             if group and (ops + n > self.GROUP_OPS or size + m > self.GROUP_BYTES):
@@ -594,6 +597,19 @@ class GroupCommit:
             group.append(self.queue.pop(0))
             ops, size = ops + n, size + m
         return group
+
+    def _next_due(self, now: float) -> float:
+        """When the writer may write next (cv held, queue not empty): the first time a batch
+        it may take -- one before any batch held back -- is due, lazy batches waiting for
+        company until their linger ends; what waits for a hold, that hold's end."""
+        at = math.inf
+        for b in self.queue:
+            if b.held > now:
+                return min(at, b.held)
+            at = min(at, b.linger)
+            if at <= now:
+                break
+        return at
 
     def _run(self) -> None:
         while True:
@@ -604,11 +620,14 @@ class GroupCommit:
                             return
                         self.cv.wait()
                         continue
-                    wait = self.queue[0].due() - time.monotonic()
+                    now = time.monotonic()
+                    wait = self._next_due(now) - now
                     if wait <= 0 or self._stop:
                         break
                     self.cv.wait(wait)       # a hold or a linger: until it ends or runs out
                 group = self._take()
+                if not group:
+                    continue
                 self._inflight = []
             ops: dict[bytes, bytes | None] = {}
             for b in group:                  # in order: a later batch's put or delete wins
@@ -956,10 +975,11 @@ class MetaStore:
         """GroupCommit.release: False -- the caller commits ``puts``/``deletes`` itself."""
         return self.group is not None and self.group.release(puts, deletes)
 
-    def wait_ticket(self, ticket: int) -> None:
-        """Until the batch of a Txn committed (Txn.ticket) landed; MetaError if it failed."""
+    def wait_ticket(self, ticket: int, patient: bool = False) -> None:
+        """Until the batch of a Txn committed (Txn.ticket) landed; MetaError if it failed.
+        ``patient``: GroupCommit.wait."""
         if self.group is not None:
-            self.group.wait(ticket)
+            self.group.wait(ticket, patient=patient)
 
     def after_durable(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (under the lock) once the changes so far have landed: now without

@@ -385,3 +385,50 @@ def test_anothers_wait_sends_a_lazy_batch_at_once(meta, kv):
     th.start()
     th.join(20)
     assert done.is_set(), "another thread's wait left the lazy batch lingering"
+
+
+def _lazy_mkdir_for(meta: MetaStore, name: bytes, linger: float) -> int:
+    with meta.lock:
+        txn = meta.txn()
+        node = meta.new_inode(txn, mode=0o040755, nlink=2, parent=ROOT_INO, name=name)
+        txn.link(ROOT_INO, name, node.ino)
+        txn.commit(lazy=True, linger=linger)
+        return txn.ticket
+
+
+def test_a_patient_wait_leaves_a_lazy_batch_waiting_for_company(meta, kv):
+    """The persister's stager waits for its stage's record patiently: the record still waits
+    for the next batch, and both go in one KV write."""
+    meta.group.LINGER = 60.0
+    base = kv.writes
+    ticket = _lazy_mkdir(meta, b"stage-record")
+    done = threading.Event()
+
+    def stager():
+        meta.wait_ticket(ticket, patient=True)
+        done.set()
+
+    th = threading.Thread(target=stager)
+    th.start()
+    # half a second without the wait ending means the batch lingers (see the test above)
+    assert not done.wait(0.5), "a patient wait sent the lazy batch on its own"
+    _, firm = _mkdir(meta, b"next")
+    meta.wait_ticket(firm)
+    th.join(20)
+    assert done.is_set()
+    assert kv.writes == base + 1, "the lazy batch was written on its own"
+
+
+def test_a_long_lingering_batch_does_not_hold_back_a_shorter_one_behind_it(meta, kv):
+    """An applied entry's record may wait 50 ms for company, a stage's record 2 ms (a stager
+    waits for it): the second is not held behind the first, and takes it along."""
+    base = kv.writes
+    kv.hold = True
+    long = _lazy_mkdir_for(meta, b"applied", linger=60.0)
+    short = _lazy_mkdir_for(meta, b"staged", linger=0.05)
+    assert kv.entered.wait(10), "the short linger did not end in a write"
+    kv.release.set()
+    meta.wait_ticket(short, patient=True)
+    assert meta.group.settled >= long
+    assert kv.writes == base + 1, "the two were not one KV write"
+    assert kv.get(K.dentry_key(ROOT_INO, b"applied")) is not None
