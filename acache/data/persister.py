@@ -39,6 +39,7 @@ WINDOW = 256             # how far past the head staging may run
 # its KV write: nobody waits for it; a restart within that time applies the entry again
 RECORD_LINGER = 0.05
 
+
 class Files(Protocol):
     """What the persister asks of the layer that owns the cache files it uploads (one host's
     VFS, the cluster head's namespace), handed once with :meth:`Persister.attach`."""

@@ -439,9 +439,10 @@ class GroupCommit:
         """Queue a batch; its ticket.  ``lazy``: nobody waits for it but its submitter, who
         does not hurry (a cluster head's end of a write or read session, which a RELEASE asked
         for after close(2) had returned; the persister's record of a stage begun and of an
-        entry applied): it waits up to LINGER for the next batch, or goes with one written
-        now, so that they share one KV write (on etcd, a file's create with the previous
-        file's release and landing: two fsynced round trips per file instead of four).  The next batch that is not lazy,
+        entry applied): it waits up to ``linger`` (default LINGER) for the next batch, or
+        goes with one written now, so that they share one KV write (on etcd, a file's create
+        with the previous file's release and landing: 2.9 fsynced round trips per small file
+        on a head instead of 3.6).  The next batch that is not lazy,
         or anyone else's wait for it, sends it at once; an operation that changed nothing does
         not wait for lazy batches behind the newest other one (``firm``: they end sessions, which
         no reply reports)."""
@@ -625,9 +626,7 @@ class GroupCommit:
                     if wait <= 0 or self._stop:
                         break
                     self.cv.wait(wait)       # a hold or a linger: until it ends or runs out
-                group = self._take()
-                if not group:
-                    continue
+                group = self._take()         # not empty: _next_due stops at a hold
                 self._inflight = []
             ops: dict[bytes, bytes | None] = {}
             for b in group:                  # in order: a later batch's put or delete wins

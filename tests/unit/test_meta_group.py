@@ -340,12 +340,12 @@ def test_head_calls_order_closes_by_what_had_replied_and_ack_when_landed(meta, k
     assert meta.child(ROOT_INO, b"w") is None and meta.child(ROOT_INO, b"z") is not None
 
 
-def _lazy_mkdir(meta: MetaStore, name: bytes) -> int:
+def _lazy_mkdir(meta: MetaStore, name: bytes, linger: float = 0.0) -> int:
     with meta.lock:
         txn = meta.txn()
         node = meta.new_inode(txn, mode=0o040755, nlink=2, parent=ROOT_INO, name=name)
         txn.link(ROOT_INO, name, node.ino)
-        txn.commit(lazy=True)
+        txn.commit(lazy=True, linger=linger)
         return txn.ticket
 
 
@@ -387,15 +387,6 @@ def test_anothers_wait_sends_a_lazy_batch_at_once(meta, kv):
     assert done.is_set(), "another thread's wait left the lazy batch lingering"
 
 
-def _lazy_mkdir_for(meta: MetaStore, name: bytes, linger: float) -> int:
-    with meta.lock:
-        txn = meta.txn()
-        node = meta.new_inode(txn, mode=0o040755, nlink=2, parent=ROOT_INO, name=name)
-        txn.link(ROOT_INO, name, node.ino)
-        txn.commit(lazy=True, linger=linger)
-        return txn.ticket
-
-
 def test_a_patient_wait_leaves_a_lazy_batch_waiting_for_company(meta, kv):
     """The persister's stager waits for its stage's record patiently: the record still waits
     for the next batch, and both go in one KV write."""
@@ -424,8 +415,8 @@ def test_a_long_lingering_batch_does_not_hold_back_a_shorter_one_behind_it(meta,
     waits for it): the second is not held behind the first, and takes it along."""
     base = kv.writes
     kv.hold = True
-    long = _lazy_mkdir_for(meta, b"applied", linger=60.0)
-    short = _lazy_mkdir_for(meta, b"staged", linger=0.05)
+    long = _lazy_mkdir(meta, b"applied", linger=60.0)
+    short = _lazy_mkdir(meta, b"staged", linger=0.05)
     assert kv.entered.wait(10), "the short linger did not end in a write"
     kv.release.set()
     meta.wait_ticket(short, patient=True)
